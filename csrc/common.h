@@ -1,0 +1,74 @@
+// Shared helpers for pyg_fastattn's C++/CUDA sources.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <torch/library.h>
+
+#define PFA_CHECK(cond, ...) TORCH_CHECK(cond, "pyg_fastattn: ", __VA_ARGS__)
+
+// Floating types every op takes. CPU kernels instantiate float/double (and
+// may add half/bfloat16); CUDA kernels all four, accumulating in float.
+#define PFA_DISPATCH_FLOATS(TYPE, NAME, ...)                                  \
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::ScalarType::Half,                       \
+                                  at::ScalarType::BFloat16, TYPE, NAME,       \
+                                  __VA_ARGS__)
+
+// int32 / int64 indices; the body sees `index_t`.
+#define PFA_DISPATCH_INDEX(TYPE, NAME, ...) \
+  AT_DISPATCH_INDEX_TYPES(TYPE, NAME, __VA_ARGS__)
+
+namespace pyg_fastattn {
+
+// Accumulation type: float for half/bfloat16/float, double for double.
+inline at::ScalarType opmath_type(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Metadata checks only (rank, dtype, device, sizes). They never read tensor
+// data, so they cost no host synchronization. Index *values* (range, order,
+// rowptr[-1] == E) are validated once in Python (pyg_fastattn/ops/_checks.py)
+// and kernels clamp every index they read, so bad input can never read or
+// write out of bounds.
+void check_rowptr(const at::Tensor& rowptr, const char* name = "rowptr");
+void check_index(const at::Tensor& index, const at::Tensor& rowptr,
+                 const char* name);
+void check_float(const at::Tensor& t, const char* name, int64_t dim);
+void check_same_device(const at::Tensor& ref, const at::Tensor& t,
+                       const char* ref_name, const char* name);
+void check_same_dtype(const at::Tensor& ref, const at::Tensor& t,
+                      const char* ref_name, const char* name);
+void check_size(const at::Tensor& t, int64_t dim, int64_t size,
+                const char* name, const char* what);
+
+// Per-op checks; each is defined in csrc/ops/<op>.cpp next to its schema and
+// called first by the CPU and the CUDA kernel of that op.
+void check_edge_softmax(const at::Tensor& rowptr, const at::Tensor& scores);
+void check_edge_softmax_backward(const at::Tensor& rowptr,
+                                 const at::Tensor& out,
+                                 const at::Tensor& grad_out);
+void check_sddmm_dot(const at::Tensor& a, const at::Tensor& b,
+                     const at::Tensor& a_idx, const at::Tensor& b_idx);
+void check_spmm(const at::Tensor& rowptr, const at::Tensor& col,
+                const c10::optional<at::Tensor>& weight,
+                const c10::optional<at::Tensor>& weight_perm,
+                const at::Tensor& values);
+void check_segment_sum(const at::Tensor& rowptr,
+                       const c10::optional<at::Tensor>& perm,
+                       const at::Tensor& src);
+void check_attention(const at::Tensor& rowptr, const at::Tensor& col,
+                     const c10::optional<at::Tensor>& a_src,
+                     const c10::optional<at::Tensor>& a_dst,
+                     const c10::optional<at::Tensor>& a_edge,
+                     const c10::optional<at::Tensor>& mask,
+                     const at::Tensor& values);
+void check_attention_backward(const at::Tensor& rowptr, const at::Tensor& col,
+                              const c10::optional<at::Tensor>& a_src,
+                              const c10::optional<at::Tensor>& a_dst,
+                              const c10::optional<at::Tensor>& a_edge,
+                              const c10::optional<at::Tensor>& mask,
+                              const at::Tensor& values, const at::Tensor& out,
+                              const at::Tensor& lse,
+                              const at::Tensor& grad_out);
+
+}  // namespace pyg_fastattn

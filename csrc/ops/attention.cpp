@@ -1,0 +1,92 @@
+// attention: fused score, row softmax and weighted aggregation (GAT's core).
+#include "../common.h"
+
+namespace pyg_fastattn {
+
+// rowptr [N+1]; col [E]; a_src [Ns, H]; a_dst [N, H]; a_edge [E, H];
+// mask [E, H]; values [Ns, H, C]. a_src/a_dst/a_edge/mask are optional, but
+// at least one of a_src/a_dst/a_edge is given. All float tensors share
+// values' dtype.
+void check_attention(const at::Tensor& rowptr, const at::Tensor& col,
+                     const c10::optional<at::Tensor>& a_src,
+                     const c10::optional<at::Tensor>& a_dst,
+                     const c10::optional<at::Tensor>& a_edge,
+                     const c10::optional<at::Tensor>& mask,
+                     const at::Tensor& values) {
+  check_rowptr(rowptr);
+  check_index(col, rowptr, "col");
+  check_float(values, "values", 3);
+  check_same_device(rowptr, values, "rowptr", "values");
+  PFA_CHECK(a_src.has_value() || a_dst.has_value() || a_edge.has_value(),
+            "attention needs at least one of `a_src`, `a_dst`, `a_edge`");
+  const int64_t H = values.size(1);
+  const int64_t N = rowptr.numel() - 1;
+  struct Arg { const c10::optional<at::Tensor>* t; const char* name; int64_t rows; const char* what; };
+  const Arg args[] = {{&a_src, "a_src", values.size(0), "one row per source node"},
+                      {&a_dst, "a_dst", N, "one row per destination node"},
+                      {&a_edge, "a_edge", col.numel(), "one row per edge"},
+                      {&mask, "mask", col.numel(), "one row per edge"}};
+  for (const auto& arg : args) {
+    if (!arg.t->has_value()) continue;
+    const at::Tensor& t = **arg.t;
+    check_float(t, arg.name, 2);
+    check_same_device(rowptr, t, "rowptr", arg.name);
+    check_same_dtype(values, t, "values", arg.name);
+    check_size(t, 0, arg.rows, arg.name, arg.what);
+    check_size(t, 1, H, arg.name, "heads of `values`");
+  }
+}
+
+void check_attention_backward(const at::Tensor& rowptr, const at::Tensor& col,
+                              const c10::optional<at::Tensor>& a_src,
+                              const c10::optional<at::Tensor>& a_dst,
+                              const c10::optional<at::Tensor>& a_edge,
+                              const c10::optional<at::Tensor>& mask,
+                              const at::Tensor& values, const at::Tensor& out,
+                              const at::Tensor& lse,
+                              const at::Tensor& grad_out) {
+  check_attention(rowptr, col, a_src, a_dst, a_edge, mask, values);
+  const int64_t N = rowptr.numel() - 1;
+  for (auto* t : {&out, &grad_out}) {
+    const char* name = t == &out ? "out" : "grad_out";
+    check_float(*t, name, 3);
+    check_same_device(rowptr, *t, "rowptr", name);
+    check_same_dtype(values, *t, "values", name);
+    PFA_CHECK(t->size(0) == N && t->size(1) == values.size(1) &&
+                  t->size(2) == values.size(2),
+              "`", name, "` must have shape [", N, ", ", values.size(1), ", ",
+              values.size(2), "], got ", t->sizes());
+  }
+  check_float(lse, "lse", 2);
+  check_same_device(rowptr, lse, "rowptr", "lse");
+  PFA_CHECK(lse.scalar_type() == opmath_type(values.scalar_type()),
+            "`lse` must have dtype ", opmath_type(values.scalar_type()));
+  PFA_CHECK(lse.size(0) == N && lse.size(1) == values.size(1),
+            "`lse` must have shape [", N, ", ", values.size(1), "], got ",
+            lse.sizes());
+}
+
+}  // namespace pyg_fastattn
+
+TORCH_LIBRARY_FRAGMENT(pyg_fastattn, m) {
+  // For each row i (destination) and edge e = (j -> i) in it, per head h:
+  //   z[e] = a_src[j] + a_dst[i] + a_edge[e]      (absent terms are 0)
+  //   s[e] = z[e] > 0 ? z[e] : negative_slope * z[e]   (1.0: identity)
+  //   alpha = softmax over the row of s;  p[e] = alpha[e] * mask[e]
+  //   out[i] = sum_e p[e] * values[j]              -> out [N, H, C]
+  //   lse[i] = log sum_e exp(s[e])                 -> [N, H], opmath dtype
+  // Empty rows and rows whose s are all -inf give out = 0, lse = -inf.
+  m.def("attention(Tensor rowptr, Tensor col, Tensor? a_src, Tensor? a_dst, "
+        "Tensor? a_edge, Tensor? mask, Tensor values, float negative_slope) "
+        "-> (Tensor, Tensor)");
+  // Returns (p [E, H], grad_z [E, H]) in CSR edge order:
+  //   p[e] = alpha[e] * mask[e]  (the weights spmm needs for grad_values)
+  //   g[e] = mask[e] * <grad_out[i, h], values[j, h]>
+  //   grad_s[e] = alpha[e] * (g[e] - <grad_out[i, h], out[i, h]>)
+  //   grad_z[e] = grad_s[e] * (z[e] > 0 ? 1 : negative_slope)
+  // Edges outside every row (e >= rowptr[N]) get 0 in both.
+  m.def("attention_backward(Tensor rowptr, Tensor col, Tensor? a_src, "
+        "Tensor? a_dst, Tensor? a_edge, Tensor? mask, Tensor values, "
+        "float negative_slope, Tensor out, Tensor lse, Tensor grad_out) "
+        "-> (Tensor, Tensor)");
+}

@@ -1,0 +1,196 @@
+"""JIT build of ``csrc/`` and choice of backend.
+
+The extension is compiled with ``torch.utils.cpp_extension.load`` (ninja) on
+first use, into a cache folder keyed by the torch version, the CUDA version
+and a hash of the sources, so later imports just load it.
+
+* ``PYG_FASTATTN_BACKEND=reference`` forces the pure-PyTorch reference,
+  ``native`` forces the compiled kernels (a build failure then raises);
+  unset (``auto``) builds and falls back to the reference with one warning.
+* ``PYG_FASTATTN_CACHE`` sets the cache folder (default
+  ``~/.cache/pyg_fastattn``); ``PYG_FASTATTN_VERBOSE=1`` shows the compiler.
+* ``PYG_FASTATTN_CUDA=0`` skips the CUDA kernels even when nvcc is found.
+
+Concurrent builds are serialized with an ``flock`` on the cache folder (it is
+released by the OS if a process dies), so two processes importing at once
+both end up loading one good build.
+"""
+import glob
+import hashlib
+import os
+import shutil
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import List, Optional
+
+import torch
+
+NAME = 'pyg_fastattn_C'
+_CSRC_CANDIDATES = (
+    Path(__file__).resolve().parent.parent / 'csrc',  # source checkout
+    Path(__file__).resolve().parent / '_csrc',  # installed package data
+)
+
+
+class _State:
+    loaded = False  # load() ran (successfully or not)
+    native = False  # the extension is loaded
+    cuda = False  # ... with CUDA kernels
+    error: Optional[str] = None  # why native is unavailable
+    build_dir: Optional[str] = None
+
+
+_state = _State()
+_lock = threading.Lock()
+
+
+def _csrc() -> Optional[Path]:
+    for p in _CSRC_CANDIDATES:
+        if (p / 'common.h').exists():
+            return p
+    return None
+
+
+def _want_cuda() -> bool:
+    if os.environ.get('PYG_FASTATTN_CUDA', '1') == '0':
+        return False
+    if not torch.cuda.is_available() or torch.version.cuda is None:
+        return False
+    from torch.utils.cpp_extension import CUDA_HOME
+    return CUDA_HOME is not None
+
+
+def _sources(root: Path, with_cuda: bool) -> List[str]:
+    srcs = sorted(glob.glob(str(root / 'ops' / '*.cpp')))
+    srcs += sorted(glob.glob(str(root / 'cpu' / '*.cpp')))
+    if with_cuda:
+        srcs += sorted(glob.glob(str(root / 'cuda' / '*.cu')))
+    return srcs
+
+
+def _flags(with_cuda: bool):
+    cflags = ['-O3']
+    ldflags = []
+    if sys.platform.startswith('linux'):
+        cflags.append('-fopenmp')  # at::parallel_for runs serially without it
+        ldflags.append('-fopenmp')
+    cuda_flags = ['-O3', '--expt-relaxed-constexpr', '-lineinfo'] if with_cuda else []
+    return cflags, ldflags, cuda_flags
+
+
+def _build_dir(root: Path, srcs: List[str], with_cuda: bool, flags) -> Path:
+    h = hashlib.sha256()
+    for f in sorted(glob.glob(str(root / '**' / '*'), recursive=True)):
+        if os.path.isfile(f):
+            h.update(os.path.relpath(f, root).encode())
+            h.update(Path(f).read_bytes())
+    h.update(repr((flags, os.environ.get('TORCH_CUDA_ARCH_LIST'))).encode())
+    tag = f'cu{torch.version.cuda}' if with_cuda else 'cpu'
+    base = os.environ.get('PYG_FASTATTN_CACHE') or os.path.join(
+        os.path.expanduser('~'), '.cache', 'pyg_fastattn')
+    return Path(base) / f'torch{torch.__version__}-{tag}-{h.hexdigest()[:12]}'
+
+
+def _compile_and_load(root: Path, with_cuda: bool) -> str:
+    from torch.utils.cpp_extension import load
+    srcs = _sources(root, with_cuda)
+    flags = _flags(with_cuda)
+    bdir = _build_dir(root, srcs, with_cuda, flags)
+    bdir.mkdir(parents=True, exist_ok=True)
+    verbose = os.environ.get('PYG_FASTATTN_VERBOSE', '0') == '1'
+    import fcntl
+    with open(bdir.parent / f'{bdir.name}.lock', 'w') as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)  # serialize builds across processes
+        try:
+            so = bdir / f'{NAME}.so'
+            for attempt in range(2):
+                if not so.exists():
+                    print(
+                        'building pyg_fastattn kernels (first use, about a '
+                        f'minute{", CUDA included" if with_cuda else ""})...',
+                        file=sys.stderr, flush=True)
+                try:
+                    load(name=NAME, sources=srcs, build_directory=str(bdir),
+                         extra_cflags=flags[0], extra_ldflags=flags[1],
+                         extra_cuda_cflags=flags[2], with_cuda=with_cuda,
+                         is_python_module=False, verbose=verbose)
+                    return str(bdir)
+                except Exception:
+                    if attempt == 1:
+                        raise
+                    # A broken cache (half-written objects, a stale lock, a
+                    # corrupt .so): wipe it and build once more.
+                    shutil.rmtree(bdir, ignore_errors=True)
+                    bdir.mkdir(parents=True, exist_ok=True)
+        finally:
+            fcntl.flock(lockf, fcntl.LOCK_UN)
+    raise AssertionError('unreachable')
+
+
+def load() -> _State:
+    """Build (if needed) and load the extension once; never raises in auto."""
+    if _state.loaded:
+        return _state
+    with _lock:
+        if _state.loaded:
+            return _state
+        mode = os.environ.get('PYG_FASTATTN_BACKEND', 'auto').lower()
+        if mode not in ('auto', 'native', 'reference'):
+            raise ValueError(
+                "PYG_FASTATTN_BACKEND must be 'auto', 'native' or "
+                f"'reference', got {mode!r}")
+        if mode == 'reference':
+            _state.error = 'PYG_FASTATTN_BACKEND=reference'
+        else:
+            root = _csrc()
+            try:
+                if root is None:
+                    raise RuntimeError('the csrc/ sources were not found')
+                with_cuda = _want_cuda()
+                _state.build_dir = _compile_and_load(root, with_cuda)
+                _state.native, _state.cuda = True, with_cuda
+                from .ops import _fake  # noqa: F401  (torch.compile support)
+            except Exception as e:  # noqa: BLE001
+                if mode == 'native':
+                    raise
+                _state.error = f'{type(e).__name__}: {e}'.strip()
+                warnings.warn(
+                    'pyg_fastattn: could not build the native kernels, using '
+                    'the pure-PyTorch reference instead (slower). Reason: ' +
+                    _state.error.splitlines()[0][:500], RuntimeWarning,
+                    stacklevel=3)
+        _state.loaded = True
+        return _state
+
+
+def native_available(device: torch.device) -> bool:
+    """Whether compiled kernels exist for tensors on ``device``."""
+    st = load()
+    if not st.native:
+        return False
+    if device.type == 'cpu':
+        return True
+    return device.type == 'cuda' and st.cuda
+
+
+def backend_for(device: torch.device):
+    """``torch.ops.pyg_fastattn`` or the reference module, per device."""
+    if native_available(device):
+        return torch.ops.pyg_fastattn
+    from . import reference
+    return reference
+
+
+def info() -> dict:
+    st = load()
+    return {
+        'native_cpu': st.native,
+        'native_cuda': st.cuda,
+        'build_dir': st.build_dir,
+        'reason': st.error,
+        'torch': torch.__version__,
+        'cuda': torch.version.cuda,
+        'cuda_available': torch.cuda.is_available(),
+    }

@@ -1,0 +1,158 @@
+"""Pure-PyTorch implementations of every native op.
+
+They serve two roles:
+
+* the fallback backend, used when the C++/CUDA extension cannot be built
+  (same names, arguments and results as ``torch.ops.pyg_fastattn.*``);
+* the test oracle: each forward is written with differentiable PyTorch ops,
+  so ``torch.autograd`` through it (in float64) checks our backward kernels.
+
+Shapes: ``rowptr`` [N + 1] and ``col`` [E] describe a CSR graph whose rows are
+destination nodes. Per-edge tensors are [E, H] (H heads), node features
+[N, H, C]. Positions ``e >= rowptr[N]`` lie outside every row: they
+contribute nothing and get 0 in per-edge outputs. These functions assume
+validated indices (see ``pyg_fastattn.ops.check_csr``) and materialize
+[E, H, C] messages: they are for correctness, not speed.
+"""
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def rows_of(rowptr: Tensor, num_edges: int) -> Tensor:
+    """Row id of each edge position (N for positions outside every row)."""
+    pos = torch.arange(num_edges, device=rowptr.device, dtype=rowptr.dtype)
+    return torch.searchsorted(rowptr[1:].contiguous(), pos, right=True)
+
+
+def _pad_row(x: Tensor) -> Tensor:
+    """Append one zero row, the slot of the out-of-row sentinel N."""
+    return torch.cat([x, x.new_zeros((1, ) + tuple(x.shape[1:]))], dim=0)
+
+
+def _row_softmax(rowptr: Tensor, row: Tensor,
+                 s: Tensor) -> Tuple[Tensor, Tensor]:
+    """Softmax of ``s`` [E, H] over each row; returns (alpha, lse [N, H]).
+
+    Rows that are empty or all -inf give alpha 0 and lse -inf. NaN
+    propagates through its row.
+    """
+    N = rowptr.numel() - 1
+    E, H = s.shape
+    idx = row.view(-1, 1).expand(E, H)
+    m = s.new_full((N + 1, H), float('-inf'))
+    m = m.scatter_reduce(0, idx, s.detach(), reduce='amax', include_self=True)
+    m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+    ex = torch.exp(s - m[row])
+    den = s.new_zeros((N + 1, H)).index_add(0, row, ex)
+    alpha = torch.where(den[row] > 0, ex / den[row], torch.zeros_like(ex))
+    # NaN must not be hidden by the where above.
+    alpha = torch.where(torch.isnan(den[row]), den[row], alpha)
+    lse = torch.log(den) + m
+    return alpha, lse[:N]
+
+
+def edge_softmax(rowptr: Tensor, scores: Tensor) -> Tensor:
+    E = scores.size(0)
+    row = rows_of(rowptr, E)
+    alpha, _ = _row_softmax(rowptr, row, scores.to(_opmath(scores.dtype)))
+    alpha = alpha * (row < rowptr.numel() - 1).view(-1, 1)
+    return alpha.to(scores.dtype)
+
+
+def edge_softmax_backward(rowptr: Tensor, out: Tensor,
+                          grad_out: Tensor) -> Tensor:
+    N = rowptr.numel() - 1
+    E, H = out.shape
+    row = rows_of(rowptr, E)
+    y, g = out.to(_opmath(out.dtype)), grad_out.to(_opmath(out.dtype))
+    dot = y.new_zeros((N + 1, H)).index_add(0, row, y * g)
+    grad = y * (g - dot[row]) * (row < N).view(-1, 1)
+    return grad.to(out.dtype)
+
+
+def sddmm_dot(a: Tensor, b: Tensor, a_idx: Tensor, b_idx: Tensor) -> Tensor:
+    t = _opmath(a.dtype)
+    out = (a[a_idx].to(t) * b[b_idx].to(t)).sum(dim=-1)
+    return out.to(a.dtype)
+
+
+def spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor],
+         weight_perm: Optional[Tensor], values: Tensor) -> Tensor:
+    N = rowptr.numel() - 1
+    E = col.numel()
+    _, H, C = values.shape
+    t = _opmath(values.dtype)
+    row = rows_of(rowptr, E)
+    msg = values[col].to(t)
+    if weight is not None:
+        w = weight[weight_perm] if weight_perm is not None else weight
+        msg = msg * w.to(t).unsqueeze(-1)
+    out = msg.new_zeros((N + 1, H, C)).index_add(0, row, msg)
+    return out[:N].to(values.dtype)
+
+
+def segment_sum(rowptr: Tensor, perm: Optional[Tensor], src: Tensor) -> Tensor:
+    N = rowptr.numel() - 1
+    x = src[perm] if perm is not None else src
+    row = rows_of(rowptr, x.size(0))
+    t = _opmath(src.dtype)
+    out = x.new_zeros((N + 1, x.size(1)), dtype=t).index_add(0, row, x.to(t))
+    return out[:N].to(src.dtype)
+
+
+def _attention_scores(rowptr, col, a_src, a_dst, a_edge, negative_slope, t):
+    """Pre-activation z [E, H] and score s = leaky_relu(z) in dtype t."""
+    E = col.numel()
+    row = rows_of(rowptr, E)
+    z = None
+    for term in (a_src[col] if a_src is not None else None,
+                 _pad_row(a_dst)[row] if a_dst is not None else None, a_edge):
+        if term is not None:
+            z = term.to(t) if z is None else z + term.to(t)
+    s = torch.where(z > 0, z, z * negative_slope)
+    return row, z, s
+
+
+def attention(rowptr: Tensor, col: Tensor, a_src: Optional[Tensor],
+              a_dst: Optional[Tensor], a_edge: Optional[Tensor],
+              mask: Optional[Tensor], values: Tensor,
+              negative_slope: float) -> Tuple[Tensor, Tensor]:
+    N = rowptr.numel() - 1
+    _, H, C = values.shape
+    t = _opmath(values.dtype)
+    row, _, s = _attention_scores(rowptr, col, a_src, a_dst, a_edge,
+                                  negative_slope, t)
+    alpha, lse = _row_softmax(rowptr, row, s)
+    p = alpha * mask.to(t) if mask is not None else alpha
+    msg = p.unsqueeze(-1) * values[col].to(t)
+    out = msg.new_zeros((N + 1, H, C)).index_add(0, row, msg)
+    return out[:N].to(values.dtype), lse
+
+
+def attention_backward(rowptr: Tensor, col: Tensor, a_src: Optional[Tensor],
+                       a_dst: Optional[Tensor], a_edge: Optional[Tensor],
+                       mask: Optional[Tensor], values: Tensor,
+                       negative_slope: float, out: Tensor, lse: Tensor,
+                       grad_out: Tensor) -> Tuple[Tensor, Tensor]:
+    N = rowptr.numel() - 1
+    t = _opmath(values.dtype)
+    row, z, s = _attention_scores(rowptr, col, a_src, a_dst, a_edge,
+                                  negative_slope, t)
+    lse_p = _pad_row(lse.to(t))[row]
+    finite = torch.isfinite(lse_p) & (row < N).view(-1, 1)
+    alpha = torch.where(finite, torch.exp(s - torch.where(finite, lse_p, 0.)),
+                        torch.zeros_like(s))
+    m = mask.to(t) if mask is not None else torch.ones_like(alpha)
+    go = _pad_row(grad_out.to(t))
+    g = m * (go[row] * values[col].to(t)).sum(-1)
+    delta = (go * _pad_row(out.to(t))).sum(-1)[row]
+    grad_s = alpha * (g - delta)
+    grad_z = torch.where(z > 0, grad_s, grad_s * negative_slope)
+    grad_z = torch.where(finite, grad_z, torch.zeros_like(grad_z))
+    return (alpha * m).to(values.dtype), grad_z.to(values.dtype)
