@@ -82,10 +82,12 @@ def _flags(with_cuda: bool):
 
 def _build_dir(root: Path, srcs: List[str], with_cuda: bool, flags) -> Path:
     h = hashlib.sha256()
-    for f in sorted(glob.glob(str(root / '**' / '*'), recursive=True)):
-        if os.path.isfile(f):
-            h.update(os.path.relpath(f, root).encode())
-            h.update(Path(f).read_bytes())
+    headers = glob.glob(str(root / '**' / '*.h'), recursive=True)
+    if with_cuda:
+        headers += glob.glob(str(root / '**' / '*.cuh'), recursive=True)
+    for f in sorted(srcs + headers):
+        h.update(os.path.relpath(f, root).encode())
+        h.update(Path(f).read_bytes())
     h.update(repr((flags, os.environ.get('TORCH_CUDA_ARCH_LIST'))).encode())
     tag = f'cu{torch.version.cuda}' if with_cuda else 'cpu'
     base = os.environ.get('PYG_FASTATTN_CACHE') or os.path.join(

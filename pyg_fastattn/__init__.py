@@ -1,0 +1,7 @@
+"""pyg_fastattn: fast graph attention for PyTorch Geometric."""
+from . import ops
+from ._build import info as backend_info
+
+__version__ = '0.1.0'
+
+__all__ = ['ops', 'backend_info', '__version__']

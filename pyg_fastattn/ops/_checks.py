@@ -1,0 +1,90 @@
+"""Input checks done in Python, before the kernels run.
+
+The C++ entry points check metadata (ranks, dtypes, devices, sizes) and the
+kernels clamp every index they read, so bad input can never touch memory out
+of bounds. What needs the *values* of index tensors (range, order,
+``rowptr[-1] == E``) is checked here with one host synchronization per call.
+``FastGATConv`` runs these checks once, when a graph is prepared and cached,
+and then calls the kernels without them; the public ops run them on every call
+unless ``validate=False``. They are skipped while ``torch.compile`` traces.
+"""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def _tracing() -> bool:
+    compiler = getattr(torch, 'compiler', None)
+    if compiler is not None and hasattr(compiler, 'is_compiling'):
+        if compiler.is_compiling():
+            return True
+    return torch.jit.is_tracing() or torch.jit.is_scripting()
+
+
+def check_tensor(t, name: str, dims=None, floating: Optional[bool] = None):
+    if not isinstance(t, Tensor):
+        raise TypeError(f'`{name}` must be a torch.Tensor, got {type(t).__name__}')
+    if dims is not None and t.dim() not in dims:
+        want = ' or '.join(f'{d}-D' for d in dims)
+        raise ValueError(f'`{name}` must be {want}, got shape {tuple(t.shape)}')
+    if floating is True and not t.is_floating_point():
+        raise TypeError(f'`{name}` must be a floating-point tensor, got {t.dtype}')
+    if floating is False and t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f'`{name}` must be an int32 or int64 tensor, got {t.dtype}')
+
+
+def check_same_device(**tensors):
+    items = [(k, v) for k, v in tensors.items() if v is not None]
+    k0, v0 = items[0]
+    for k, v in items[1:]:
+        if v.device != v0.device:
+            raise ValueError(f'`{k}` is on {v.device} but `{k0}` is on '
+                             f'{v0.device}; all tensors must be on one device')
+
+
+def index_pair(rowptr: Tensor, col: Tensor):
+    """Give rowptr and col one dtype (int64 if they differ)."""
+    if rowptr.dtype != col.dtype:
+        return rowptr.long(), col.long()
+    return rowptr, col
+
+
+def check_csr(rowptr: Tensor, col: Optional[Tensor], num_edges: int,
+              num_cols: Optional[int] = None, rowptr_name: str = 'rowptr',
+              col_name: str = 'col'):
+    """Validate a CSR structure: rowptr starts at 0, never decreases, ends at
+    ``num_edges``; ``col`` holds indices in ``[0, num_cols)``. One sync."""
+    if _tracing():
+        return
+    if rowptr.numel() == 0:
+        raise ValueError(f'`{rowptr_name}` must hold N + 1 >= 1 entries, got 0')
+    flags = [rowptr[0] != 0, rowptr[-1] != num_edges]
+    flags.append((rowptr[1:] < rowptr[:-1]).any() if rowptr.numel() > 1 else
+                 rowptr.new_zeros((), dtype=torch.bool))
+    check_col = col is not None and num_cols is not None and col.numel() > 0
+    if check_col:
+        flags += [col.min() < 0, col.max() >= num_cols]
+    bad = torch.stack([f.reshape(()) for f in flags]).tolist()
+    if bad[0]:
+        raise ValueError(f'`{rowptr_name}` must start at 0, got '
+                         f'{int(rowptr[0])}')
+    if bad[1]:
+        raise ValueError(f'`{rowptr_name}[-1]` must equal the number of edges '
+                         f'({num_edges}), got {int(rowptr[-1])}')
+    if bad[2]:
+        raise ValueError(f'`{rowptr_name}` must be non-decreasing')
+    if check_col and (bad[3] or bad[4]):
+        raise IndexError(f'`{col_name}` holds indices out of range [0, '
+                         f'{num_cols}): min {int(col.min())}, max '
+                         f'{int(col.max())}')
+
+
+def check_index(index: Tensor, size: int, name: str):
+    """Validate that ``index`` lies in ``[0, size)``. One sync."""
+    if _tracing() or index.numel() == 0:
+        return
+    lo, hi = torch.stack([index.min(), index.max()]).tolist()
+    if lo < 0 or hi >= size:
+        raise IndexError(f'`{name}` holds indices out of range [0, {size}): '
+                         f'min {lo}, max {hi}')

@@ -1,0 +1,118 @@
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .. import _build
+from ._checks import check_csr, check_same_device, check_tensor, index_pair
+from .csr import CSC, maybe_csc
+
+
+class Attention(torch.autograd.Function):
+    """Fused score + row softmax + aggregation; see ``attention``."""
+    @staticmethod
+    def forward(ctx, rowptr, col, colptr, row_t, perm, a_src, a_dst, a_edge,
+                mask, values, negative_slope):
+        out, lse = _build.backend_for(values.device).attention(
+            rowptr, col, a_src, a_dst, a_edge, mask, values, negative_slope)
+        ctx.negative_slope = negative_slope
+        ctx.save_for_backward(rowptr, col, colptr, row_t, perm, a_src, a_dst,
+                              a_edge, mask, values, out, lse)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        (rowptr, col, colptr, row_t, perm, a_src, a_dst, a_edge, mask, values,
+         out, lse) = ctx.saved_tensors
+        K = _build.backend_for(values.device)
+        grad_out = grad_out.contiguous()
+        # One pass over CSR: p = alpha * mask and the gradient of z, per edge.
+        p, grad_z = K.attention_backward(rowptr, col, a_src, a_dst, a_edge,
+                                         mask, values, ctx.negative_slope, out,
+                                         lse, grad_out)
+        need = ctx.needs_input_grad
+        g_src = g_dst = g_edge = g_values = None
+        if need[5] or need[9]:
+            csc = maybe_csc(colptr, row_t, perm, rowptr, col, values.size(0))
+            # One pass over CSC (no atomics): gradients of the source side.
+            if need[5]:
+                g_src = K.segment_sum(csc.colptr, csc.perm, grad_z)
+            if need[9]:
+                g_values = K.spmm(csc.colptr, csc.row, p, csc.perm, grad_out)
+        if need[6]:
+            g_dst = K.segment_sum(rowptr, None, grad_z)
+        if need[7]:
+            g_edge = grad_z
+        return (None, None, None, None, None, g_src, g_dst, g_edge, None,
+                g_values, None)
+
+
+def attention(rowptr: Tensor, col: Tensor, values: Tensor,
+              a_src: Optional[Tensor] = None, a_dst: Optional[Tensor] = None,
+              a_edge: Optional[Tensor] = None, mask: Optional[Tensor] = None,
+              negative_slope: float = 0.2, csc: Optional[CSC] = None,
+              return_lse: bool = False):
+    r"""GAT attention over a CSR graph (rows = destinations), in one kernel.
+
+    Per edge ``e = (j -> i)`` and head ``h``::
+
+        z = a_src[j] + a_dst[i] + a_edge[e]     (absent terms are 0)
+        s = leaky_relu(z, negative_slope)
+        alpha = softmax of s over row i
+        out[i] = sum_e alpha * mask[e] * values[j]
+
+    ``values`` [Ns, H, C]; ``a_src`` [Ns, H]; ``a_dst`` [N, H]; ``a_edge`` and
+    ``mask`` [E, H] in CSR order (``mask`` is a dropout multiplier, no grad).
+    Returns ``out`` [N, H, C] (and the row log-sum-exp [N, H] when
+    ``return_lse``). Never allocates [E, H, C]. Indices are NOT validated here
+    (callers validate once, e.g. when a graph is prepared); kernels still clamp
+    them, so bad indices cannot touch memory out of bounds.
+    """
+    dt = values.dtype
+    args = [t.to(dt) if t is not None else None
+            for t in (a_src, a_dst, a_edge, mask)]
+    colptr, row_t, perm = csc if csc is not None else (None, None, None)
+    out, lse = Attention.apply(rowptr, col, colptr, row_t, perm, *args, values,
+                               float(negative_slope))
+    return (out, lse) if return_lse else out
+
+
+def softmax_aggregate(rowptr: Tensor, col: Tensor, scores: Tensor,
+                      values: Tensor, csc: Optional[CSC] = None,
+                      validate: bool = True) -> Tensor:
+    r"""Softmax over each row's edge scores and weighted sum of neighbour
+    values, in one pass:
+    ``out[i] = sum_{e in row i} softmax_row(scores)[e] * values[col[e]]``.
+
+    Args:
+        rowptr: [N + 1], col: [E] (int32/int64), edges sorted by row.
+        scores: [E] or [E, H].
+        values: [Ns, C] (with [E] scores) or [Ns, H, C].
+        csc: the transpose (:func:`csr_to_csc`), reused by backward.
+        validate: check ``rowptr``/``col`` (one host sync).
+
+    Returns:
+        [N, C] or [N, H, C]; empty rows give 0. Differentiable in ``scores``
+        and ``values``. Never allocates anything of size E x C.
+    """
+    check_tensor(rowptr, 'rowptr', dims=(1, ), floating=False)
+    check_tensor(col, 'col', dims=(1, ), floating=False)
+    check_tensor(scores, 'scores', dims=(1, 2), floating=True)
+    check_tensor(values, 'values', dims=(scores.dim() + 1, ), floating=True)
+    check_same_device(rowptr=rowptr, col=col, scores=scores, values=values)
+    if scores.size(0) != col.numel():
+        raise ValueError(f'`scores` must have one row per edge ({col.numel()}),'
+                         f' got {scores.size(0)}')
+    if scores.dim() == 2 and scores.size(1) != values.size(1):
+        raise ValueError(f'`scores` has {scores.size(1)} heads but `values` has '
+                         f'{values.size(1)}')
+    rowptr, col = index_pair(rowptr, col)
+    if validate:
+        check_csr(rowptr, col, col.numel(), values.size(0))
+    squeeze = scores.dim() == 1
+    if squeeze:
+        scores, values = scores.unsqueeze(1), values.unsqueeze(1)
+    out = attention(rowptr, col, values, a_edge=scores, negative_slope=1.0,
+                    csc=csc)
+    return out.squeeze(1) if squeeze else out

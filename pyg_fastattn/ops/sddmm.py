@@ -1,0 +1,78 @@
+import torch
+from torch import Tensor
+
+from .. import _build
+from ._checks import check_index, check_same_device, check_tensor
+
+
+def _csr_by(index: Tensor, size: int):
+    """Sort edges by ``index``: (rowptr [size + 1], perm [E])."""
+    perm = torch.argsort(index, stable=True)
+    bounds = torch.arange(size + 1, device=index.device, dtype=index.dtype)
+    rowptr = torch.searchsorted(index[perm], bounds).to(index.dtype)
+    return rowptr, perm.to(index.dtype)
+
+
+def _gather_grad(index, other_idx, grad, other, size):
+    """grad_x[n] = sum_{e: index[e] = n} grad[e, h] * other[other_idx[e]]."""
+    rowptr, perm = _csr_by(index, size)
+    return _build.backend_for(grad.device).spmm(rowptr, other_idx[perm.long()], grad,
+                                         perm, other)
+
+
+class SDDMMDot(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, a_idx, b_idx):
+        ctx.save_for_backward(a, b, a_idx, b_idx)
+        return _build.backend_for(a.device).sddmm_dot(a, b, a_idx, b_idx)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, a_idx, b_idx = ctx.saved_tensors
+        grad = grad.contiguous()
+        ga = gb = None
+        if ctx.needs_input_grad[0]:
+            ga = _gather_grad(a_idx, b_idx, grad, b, a.size(0))
+        if ctx.needs_input_grad[1]:
+            gb = _gather_grad(b_idx, a_idx, grad, a, b.size(0))
+        return ga, gb, None, None
+
+
+def sddmm(a: Tensor, b: Tensor, a_idx: Tensor, b_idx: Tensor, op: str = 'dot',
+          validate: bool = True) -> Tensor:
+    r"""Per-edge scores from node features (sampled dense-dense product).
+
+    ``op='dot'``: ``out[e] = sum_c a[a_idx[e], ..., c] * b[b_idx[e], ..., c]``
+    with ``a`` [Na, C] or [Na, H, C] and ``b`` [Nb, C] or [Nb, H, C]; the
+    result is [E] or [E, H]. ``op='add'``: ``a[a_idx] + b[b_idx]`` for [N] or
+    [N, H] inputs (GAT's per-node attention terms). Differentiable in ``a``
+    and ``b``; ``validate`` checks the index ranges (one host sync).
+    """
+    if op not in ('dot', 'add'):
+        raise ValueError(f"`op` must be 'dot' or 'add', got {op!r}")
+    check_tensor(a, 'a', dims=(1, 2) if op == 'add' else (2, 3), floating=True)
+    check_tensor(b, 'b', dims=(a.dim(), ), floating=True)
+    check_tensor(a_idx, 'a_idx', dims=(1, ), floating=False)
+    check_tensor(b_idx, 'b_idx', dims=(1, ), floating=False)
+    check_same_device(a=a, b=b, a_idx=a_idx, b_idx=b_idx)
+    if a_idx.numel() != b_idx.numel():
+        raise ValueError(f'`a_idx` and `b_idx` must have the same length, got '
+                         f'{a_idx.numel()} and {b_idx.numel()}')
+    if a.shape[1:] != b.shape[1:]:
+        raise ValueError(f'`a` and `b` must agree beyond dim 0, got '
+                         f'{tuple(a.shape)} and {tuple(b.shape)}')
+    if validate:
+        check_index(a_idx, a.size(0), 'a_idx')
+        check_index(b_idx, b.size(0), 'b_idx')
+    if op == 'add':
+        return a[a_idx] + b[b_idx]
+    if a.dtype != b.dtype:
+        raise TypeError(f'`a` and `b` must have one dtype, got {a.dtype} and '
+                        f'{b.dtype}')
+    if a_idx.dtype != b_idx.dtype:
+        a_idx, b_idx = a_idx.long(), b_idx.long()
+    squeeze = a.dim() == 2
+    if squeeze:
+        a, b = a.unsqueeze(1), b.unsqueeze(1)
+    out = SDDMMDot.apply(a, b, a_idx, b_idx)
+    return out.squeeze(-1) if squeeze else out

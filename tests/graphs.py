@@ -1,0 +1,47 @@
+"""Random CSR graphs for the tests (rows = destination nodes)."""
+import torch
+
+
+def csr_from_degrees(deg, num_cols, idx_dtype=torch.int64, device='cpu'):
+    deg = torch.as_tensor(deg, dtype=torch.long)
+    rowptr = torch.zeros(deg.numel() + 1, dtype=torch.long)
+    rowptr[1:] = deg.cumsum(0)
+    E = int(rowptr[-1])
+    col = torch.randint(0, max(num_cols, 1), (E, )) if num_cols > 0 else \
+        torch.zeros(0, dtype=torch.long)
+    return rowptr.to(device, idx_dtype), col.to(device, idx_dtype)
+
+
+def make_graph(kind, idx_dtype=torch.int64, device='cpu'):
+    """Named graph shapes that cover the edge cases.
+
+    Returns (rowptr, col, num_cols).
+    """
+    if kind == 'mixed':  # empty rows, degree-1 rows, a few larger rows
+        deg = torch.tensor([0, 1, 3, 0, 1, 7, 2, 0, 5, 1, 12, 0, 4, 1])
+        num_cols = 9
+    elif kind == 'huge':  # one 5000-edge row among small ones
+        deg = torch.tensor([2, 0, 5000, 1, 3, 0])
+        num_cols = 300
+    elif kind == 'empty':  # E = 0
+        deg = torch.zeros(5, dtype=torch.long)
+        num_cols = 4
+    elif kind == 'single':  # N = 1
+        deg = torch.tensor([3])
+        num_cols = 2
+    elif kind == 'deg1':
+        deg = torch.ones(17, dtype=torch.long)
+        num_cols = 17
+    else:
+        raise ValueError(kind)
+    rowptr, col = csr_from_degrees(deg, num_cols, idx_dtype, device)
+    return rowptr, col, num_cols
+
+
+def noncontig(t):
+    """A non-contiguous tensor equal to ``t`` (strided view of a bigger one)."""
+    big = torch.empty(t.shape + (2, ), dtype=t.dtype, device=t.device)
+    big[..., 0] = t
+    out = big[..., 0]
+    assert not out.is_contiguous() or t.numel() <= 1
+    return out

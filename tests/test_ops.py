@@ -1,0 +1,251 @@
+"""Every op and its gradients against a float64 reference, per backend."""
+import pytest
+import torch
+from torch_geometric.utils import softmax as pyg_softmax
+
+from pyg_fastattn import ops, reference as R
+from pyg_fastattn.ops.csr import rows_of
+
+from conftest import DEVICES
+from graphs import make_graph, noncontig
+
+GRAPHS = ['mixed', 'huge', 'empty', 'single', 'deg1']
+HC = [(1, 1), (4, 7), (8, 33), (1, 64), (8, 64)]
+IDX = [torch.int32, torch.int64]
+TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
+
+
+def _leaf(t, dtype, contiguous=True):
+    t = t.to(dtype)
+    if not contiguous:
+        t = noncontig(t)
+    return t.detach().requires_grad_(True)
+
+
+def _close(a, b, dtype, what):
+    assert a.shape == b.shape, f'{what}: shape {a.shape} != {b.shape}'
+    tol = TOL.get(dtype, 2e-2)
+    # Long rows sum thousands of terms: scale the absolute tolerance.
+    scale = max(1.0, b.detach().abs().max().item()) if b.numel() else 1.0
+    torch.testing.assert_close(a.double(), b.double(), atol=tol * scale, rtol=tol,
+                               msg=lambda m: f'{what}: {m}')
+
+
+def _check(fn, ref, inputs, dtype):
+    """Compare fn(*inputs) against ref(float64 inputs): output and grads."""
+    out = fn(*inputs)
+    ref_inputs = [x.detach().double().requires_grad_(x.requires_grad)
+                  if torch.is_tensor(x) and x.is_floating_point() else x
+                  for x in inputs]
+    exp = ref(*ref_inputs)
+    _close(out, exp, dtype, 'output')
+    grad = torch.randn_like(exp)
+    diff = [(x, r) for x, r in zip(inputs, ref_inputs)
+            if torch.is_tensor(x) and x.requires_grad]
+    if not diff or out.numel() == 0:
+        return
+    got = torch.autograd.grad(out, [x for x, _ in diff], grad.to(out.dtype),
+                              allow_unused=True)
+    want = torch.autograd.grad(exp, [r for _, r in diff], grad,
+                               allow_unused=True)
+    for i, (g, w) in enumerate(zip(got, want)):
+        g = torch.zeros_like(diff[i][0]) if g is None else g
+        w = torch.zeros_like(diff[i][1]) if w is None else w
+        _close(g, w, dtype, f'grad of input {i}')
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('graph', GRAPHS)
+@pytest.mark.parametrize('heads', [1, 4, 8])
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_edge_softmax(backend, device, graph, heads, idx, dtype):
+    rowptr, col, _ = make_graph(graph, idx, device)
+    E = col.numel()
+    s = _leaf(torch.randn(E, heads, device=device) * 3, dtype,
+              contiguous=heads == 4)
+    _check(lambda s: ops.edge_softmax(s, rowptr),
+           lambda s: R.edge_softmax(rowptr, s), [s], dtype)
+    # Same result as PyG's softmax with ptr (what GATConv uses).
+    ref = pyg_softmax(s.detach().double(), ptr=rowptr.long())
+    _close(ops.edge_softmax(s.detach(), rowptr), ref, dtype, 'vs PyG')
+    # 1-D scores.
+    s1 = s.detach()[:, 0].contiguous()
+    _close(ops.edge_softmax(s1, rowptr), R.edge_softmax(rowptr, s1[:, None])[:, 0],
+           dtype, '1-D')
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('graph', GRAPHS)
+@pytest.mark.parametrize('heads,C', HC)
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_softmax_aggregate(backend, device, graph, heads, C, idx, dtype):
+    rowptr, col, Ns = make_graph(graph, idx, device)
+    E = col.numel()
+    s = _leaf(torch.randn(E, heads, device=device), dtype)
+    v = _leaf(torch.randn(Ns, heads, C, device=device), dtype,
+              contiguous=C != 7)
+    _check(lambda s, v: ops.softmax_aggregate(rowptr, col, s, v),
+           lambda s, v: R.attention(rowptr, col, None, None, s, None, v, 1.0)[0],
+           [s, v], dtype)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('graph', ['mixed', 'huge', 'empty'])
+@pytest.mark.parametrize('heads,C', HC)
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_spmm(backend, device, graph, heads, C, idx, dtype):
+    rowptr, col, Ns = make_graph(graph, idx, device)
+    E = col.numel()
+    w = _leaf(torch.randn(E, heads, device=device), dtype, contiguous=heads > 1)
+    v = _leaf(torch.randn(Ns, heads, C, device=device), dtype)
+    _check(lambda w, v: ops.spmm(rowptr, col, w, v),
+           lambda w, v: R.spmm(rowptr, col, w, None, v), [w, v], dtype)
+    # No weights: a plain neighbour sum; [Ns, C] values with [E] weights.
+    _check(lambda v: ops.spmm(rowptr, col, None, v),
+           lambda v: R.spmm(rowptr, col, None, None, v), [v], dtype)
+    w1 = _leaf(torch.randn(E, device=device), dtype)
+    v1 = _leaf(torch.randn(Ns, C, device=device), dtype)
+    _check(lambda w, v: ops.spmm(rowptr, col, w, v),
+           lambda w, v: R.spmm(rowptr, col, w[:, None], None, v[:, None])[:, 0],
+           [w1, v1], dtype)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('heads,C', HC)
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+@pytest.mark.parametrize('E', [0, 1, 300])
+def test_sddmm(backend, device, heads, C, idx, dtype, E):
+    Na, Nb = 13, 7
+    a = _leaf(torch.randn(Na, heads, C, device=device), dtype)
+    b = _leaf(torch.randn(Nb, heads, C, device=device), dtype,
+              contiguous=C != 33)
+    ai = torch.randint(0, Na, (E, ), device=device, dtype=idx)
+    bi = torch.randint(0, Nb, (E, ), device=device, dtype=idx)
+    _check(lambda a, b: ops.sddmm(a, b, ai, bi),
+           lambda a, b: (a[ai] * b[bi]).sum(-1), [a, b], dtype)
+    a2 = _leaf(torch.randn(Na, C, device=device), dtype)
+    b2 = _leaf(torch.randn(Nb, C, device=device), dtype)
+    _check(lambda a, b: ops.sddmm(a, b, ai, bi),
+           lambda a, b: (a[ai] * b[bi]).sum(-1), [a2, b2], dtype)
+    # op='add': GAT's per-node terms.
+    a3 = _leaf(torch.randn(Na, heads, device=device), dtype)
+    b3 = _leaf(torch.randn(Nb, heads, device=device), dtype)
+    _check(lambda a, b: ops.sddmm(a, b, ai, bi, op='add'),
+           lambda a, b: a[ai] + b[bi], [a3, b3], dtype)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('graph', ['mixed', 'huge', 'single'])
+@pytest.mark.parametrize('terms', ['src', 'dst', 'edge', 'src,dst',
+                                   'src,dst,edge', 'src,dst,edge,mask'])
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_attention(backend, device, graph, terms, idx, dtype):
+    """The fused GAT path: scores from node/edge terms, leaky relu, dropout."""
+    rowptr, col, Ns = make_graph(graph, idx, device)
+    N, E, H, C = rowptr.numel() - 1, col.numel(), 4, 6
+    terms = terms.split(',')
+    mk = lambda *shape: _leaf(torch.randn(*shape, device=device), dtype)
+    a_src = mk(Ns, H) if 'src' in terms else None
+    a_dst = mk(N, H) if 'dst' in terms else None
+    a_edge = mk(E, H) if 'edge' in terms else None
+    mask = ((torch.rand(E, H, device=device) > 0.3).to(dtype) / 0.7
+            if 'mask' in terms else None)
+    v = mk(Ns, H, C)
+
+    def fn(a_src, a_dst, a_edge, v):
+        return ops.attention(rowptr, col, v, a_src, a_dst, a_edge, mask, 0.2)
+
+    def ref(a_src, a_dst, a_edge, v):
+        m = mask.double() if mask is not None else None
+        return R.attention(rowptr, col, a_src, a_dst, a_edge, m, v, 0.2)[0]
+
+    _check(fn, ref, [a_src, a_dst, a_edge, v], dtype)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_reference_backward_matches_autograd(device):
+    """The fallback's hand-written backward equals autograd through its
+    forward (so the reference is a sound oracle for the kernels)."""
+    rowptr, col, Ns = make_graph('mixed', torch.int64, device)
+    N, E, H, C = rowptr.numel() - 1, col.numel(), 3, 5
+    d = dict(dtype=torch.float64, device=device)
+    a_src = torch.randn(Ns, H, **d, requires_grad=True)
+    a_dst = torch.randn(N, H, **d, requires_grad=True)
+    a_edge = torch.randn(E, H, **d, requires_grad=True)
+    v = torch.randn(Ns, H, C, **d, requires_grad=True)
+    mask = (torch.rand(E, H, **d) > 0.5).double() * 2
+    out, lse = R.attention(rowptr, col, a_src, a_dst, a_edge, mask, v, 0.2)
+    go = torch.randn_like(out)
+    ga_edge, gv = torch.autograd.grad(out, [a_edge, v], go)
+    p, gz = R.attention_backward(rowptr, col, a_src, a_dst, a_edge, mask, v,
+                                 0.2, out, lse, go)
+    torch.testing.assert_close(gz, ga_edge)
+    torch.testing.assert_close(R.spmm(*ops.csr_to_csc(rowptr, col, Ns)[:2], p,
+                                      ops.csr_to_csc(rowptr, col, Ns).perm, go), gv)
+    s = torch.randn(E, H, **d, requires_grad=True)
+    y = R.edge_softmax(rowptr, s)
+    gy = torch.randn_like(y)
+    torch.testing.assert_close(R.edge_softmax_backward(rowptr, y, gy),
+                               torch.autograd.grad(y, s, gy)[0])
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_gradcheck(backend, device):
+    """torch.autograd.gradcheck in float64 on a small graph, every op."""
+    rowptr, col, Ns = make_graph('mixed', torch.int64, device)
+    N, E, H, C = rowptr.numel() - 1, col.numel(), 2, 3
+    d = dict(dtype=torch.float64, device=device, requires_grad=True)
+    s = torch.randn(E, H, **d)
+    v = torch.randn(Ns, H, C, **d)
+    w = torch.randn(E, H, **d)
+    a_src, a_dst = torch.randn(Ns, H, **d), torch.randn(N, H, **d)
+    mask = (torch.rand(E, H, device=device) > 0.4).double() / 0.6
+    gc = lambda f, *x: torch.autograd.gradcheck(f, x, atol=1e-7)
+    assert gc(lambda s: ops.edge_softmax(s, rowptr), s)
+    assert gc(lambda s, v: ops.softmax_aggregate(rowptr, col, s, v), s, v)
+    assert gc(lambda w, v: ops.spmm(rowptr, col, w, v), w, v)
+    ai = torch.randint(0, Ns, (E, ), device=device)
+    assert gc(lambda a, b: ops.sddmm(a, b, ai, col), v, v.detach().clone()
+              .requires_grad_())
+    # z near 0 makes leaky_relu's kink meet finite differences; shift it away.
+    a_edge = (torch.randn(E, H, dtype=torch.float64, device=device) + 0.05).sign() \
+        .mul(3).requires_grad_()
+    assert gc(lambda a, b, e, v: ops.attention(rowptr, col, v, a, b, e, mask, 0.2),
+              a_src, a_dst, a_edge, v)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_neg_inf_rows_and_nan(backend, device):
+    """-inf scores mask edges; a row of only -inf gives 0, not NaN; NaN
+    propagates through its own row and nowhere else."""
+    rowptr = torch.tensor([0, 2, 4, 5], device=device)
+    col = torch.tensor([0, 1, 1, 2, 0], device=device)
+    s = torch.tensor([[0.5], [float('-inf')], [float('-inf')], [float('-inf')],
+                      [float('nan')]], device=device)
+    v = torch.randn(3, 1, 4, device=device)
+    out = ops.edge_softmax(s, rowptr)
+    assert out[:2].tolist() == [[1.0], [0.0]]
+    assert out[2:4].eq(0).all() and out[4].isnan().all()
+    agg = ops.softmax_aggregate(rowptr, col, s, v)
+    torch.testing.assert_close(agg[0], v[0])
+    assert agg[1].eq(0).all() and agg[2].isnan().all()
+
+
+def test_csr_to_csc_roundtrip():
+    rowptr, col, Ns = make_graph('mixed')
+    csc = ops.csr_to_csc(rowptr, col, Ns)
+    row = rows_of(rowptr, col.numel())
+    # Every CSR edge appears once, in its column, with its row, stably.
+    assert sorted(csc.perm.tolist()) == list(range(col.numel()))
+    assert torch.equal(col[csc.perm], torch.repeat_interleave(
+        torch.arange(Ns), csc.colptr.diff()))
+    assert torch.equal(csc.row, row[csc.perm])
+    for j in range(Ns):
+        seg = csc.perm[csc.colptr[j]:csc.colptr[j + 1]]
+        assert torch.equal(seg, seg.sort().values)
+
