@@ -1,0 +1,318 @@
+"""Bad input, odd graphs, 64-bit sizes, huge rows, leaks, build faults."""
+import os
+import re
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from pyg_fastattn import ops, reference as R
+
+from conftest import CUDA, DEVICES, REPO, requires_cuda
+from graphs import csr_from_degrees
+
+
+def _graph(device, idx=torch.int64):
+    rowptr = torch.tensor([0, 2, 3, 5], device=device, dtype=idx)
+    col = torch.tensor([0, 1, 2, 0, 3], device=device, dtype=idx)
+    return rowptr, col
+
+
+# ---------------------------------------------------------------- bad input
+def _bad_calls(device):
+    """(description, call, exception type, text the message must contain)."""
+    rowptr, col = _graph(device)
+    s = torch.randn(5, 2, device=device)
+    v = torch.randn(4, 2, 3, device=device)
+    t = lambda *x, **k: torch.tensor(*x, device=device, **k)
+    agg = ops.softmax_aggregate
+    return [
+        ('col out of range', lambda: agg(rowptr, t([0, 1, 2, 0, 4]), s, v),
+         IndexError, 'col'),
+        ('negative col', lambda: agg(rowptr, t([0, -1, 2, 0, 3]), s, v),
+         IndexError, 'col'),
+        ('rowptr not starting at 0', lambda: agg(t([1, 2, 3, 5]), col, s, v),
+         ValueError, 'rowptr'),
+        ('rowptr decreasing', lambda: agg(t([0, 3, 2, 5]), col, s, v),
+         ValueError, 'non-decreasing'),
+        ('rowptr[-1] != E', lambda: agg(t([0, 2, 3, 4]), col, s, v),
+         ValueError, 'rowptr[-1]'),
+        ('scores length', lambda: agg(rowptr, col, s[:4], v), ValueError,
+         'scores'),
+        ('heads mismatch', lambda: agg(rowptr, col, s, v[:, :1]), ValueError,
+         'heads'),
+        ('integer scores', lambda: agg(rowptr, col, s.long(), v), TypeError,
+         'scores'),
+        ('bool values', lambda: agg(rowptr, col, s, v > 0), TypeError,
+         'values'),
+        ('wrong rank', lambda: agg(rowptr, col, s, v[:, 0, 0]), ValueError,
+         'values'),
+        ('float rowptr', lambda: agg(rowptr.float(), col, s, v), TypeError,
+         'rowptr'),
+        ('edge_softmax rowptr[-1]', lambda: ops.edge_softmax(s[:3], rowptr),
+         ValueError, 'rowptr[-1]'),
+        ('edge_softmax 3-D', lambda: ops.edge_softmax(v, rowptr), ValueError,
+         'scores'),
+        ('sddmm index', lambda: ops.sddmm(v, v, t([0, 4]), t([0, 1])),
+         IndexError, 'a_idx'),
+        ('sddmm lengths', lambda: ops.sddmm(v, v, t([0, 1]), t([0])),
+         ValueError, 'same length'),
+        ('sddmm op', lambda: ops.sddmm(v, v, t([0]), t([0]), op='max'),
+         ValueError, 'op'),
+        ('spmm weights', lambda: ops.spmm(rowptr, col, s[:2], v), ValueError,
+         'weights'),
+        ('spmm col', lambda: ops.spmm(rowptr, t([9, 0, 0, 0, 0]), s, v),
+         IndexError, 'col'),
+    ]
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_bad_input_raises_clear_errors(backend, device):
+    rowptr, col = _graph(device)
+    s = torch.randn(5, 2, device=device)
+    v = torch.randn(4, 2, 3, device=device)
+    for what, call, exc, text in _bad_calls(device):
+        with pytest.raises(exc, match=re.escape(text)):
+            call()
+        # The process (and the CUDA context) stays usable after the error.
+        out = ops.softmax_aggregate(rowptr, col, s, v)
+        ref = R.attention(rowptr, col, None, None, s, None, v, 1.0)[0]
+        torch.testing.assert_close(out, ref, msg=f'after {what}')
+    if device == 'cuda':
+        torch.cuda.synchronize()
+
+
+@requires_cuda
+@pytest.mark.cuda
+def test_mixed_devices_raise():
+    rowptr, col = _graph('cpu')
+    s, v = torch.randn(5, 2), torch.randn(4, 2, 3)
+    with pytest.raises(ValueError, match='device'):
+        ops.softmax_aggregate(rowptr, col, s.cuda(), v)
+    with pytest.raises(ValueError, match='device'):
+        ops.edge_softmax(s.cuda(), rowptr)
+    with pytest.raises(ValueError, match='device'):
+        ops.sddmm(v.cuda(), v, col, col)
+    out = ops.softmax_aggregate(rowptr.cuda(), col.cuda(), s.cuda(), v.cuda())
+    torch.cuda.synchronize()
+    assert out.isfinite().all()
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_native_ops_never_touch_out_of_bounds(device):
+    """Unvalidated calls straight into the kernels with garbage indices must
+    not crash (kernels clamp rows and skip bad columns)."""
+    from pyg_fastattn import _build
+    if not _build.native_available(torch.device(device)):
+        pytest.skip('native kernels unavailable')
+    K = torch.ops.pyg_fastattn
+    t = lambda *x: torch.tensor(*x, device=device)
+    rowptr, col = t([0, 9, -3, 2, 100]), t([5, -7, 1000000, 1])
+    s = torch.randn(4, 2, device=device)
+    v = torch.randn(3, 2, 5, device=device)
+    K.edge_softmax(rowptr, s)
+    K.spmm(rowptr, col, s, col, v)
+    K.segment_sum(rowptr, col, s)
+    K.sddmm_dot(v, v, col, col)
+    out, lse = K.attention(rowptr, col, None, None, s, None, v, 1.0)
+    K.attention_backward(rowptr, col, None, None, s, None, v, 1.0, out, lse,
+                          torch.randn_like(out))
+    if device == 'cuda':
+        torch.cuda.synchronize()
+    # And a valid call still gives the right answer.
+    rp, c = _graph(device)
+    sv, vv = torch.randn(5, 2, device=device), torch.randn(4, 2, 3, device=device)
+    torch.testing.assert_close(ops.softmax_aggregate(rp, c, sv, vv),
+                               R.attention(rp, c, None, None, sv, None, vv, 1.0)[0])
+
+
+# --------------------------------------------------------------- odd graphs
+@pytest.mark.parametrize('device', DEVICES)
+def test_huge_row(backend, device):
+    """One row with 10^6 edges: correct, and not pathologically slow."""
+    E = 1_000_000
+    rowptr, col = csr_from_degrees([3, E, 0, 1], 1000, device=device)
+    s = torch.randn(E + 4, 2, device=device, dtype=torch.float64)
+    v = torch.randn(1000, 2, 4, device=device, dtype=torch.float64)
+    t0 = time.perf_counter()
+    out = ops.softmax_aggregate(rowptr, col, s, v, validate=False)
+    y = ops.edge_softmax(s, rowptr, validate=False)
+    if device == 'cuda':
+        torch.cuda.synchronize()
+    took = time.perf_counter() - t0
+    ref = R.attention(rowptr, col, None, None, s, None, v, 1.0)[0]
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(y, R.edge_softmax(rowptr, s))
+    assert took < 30, f'10^6-edge row took {took:.1f} s'
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_edge_cases_match_pyg_softmax(backend, device):
+    """E = 0, N = 1, duplicate edges, nodes without in-edges."""
+    from torch_geometric.utils import softmax as pyg_softmax
+    for deg in ([0, 0, 0], [4], [0, 2, 0, 3, 0], [1, 1, 1]):
+        rowptr, col = csr_from_degrees(deg, 2, device=device)  # duplicates
+        s = torch.randn(col.numel(), 3, device=device, dtype=torch.float64)
+        v = torch.randn(2, 3, 4, device=device, dtype=torch.float64)
+        torch.testing.assert_close(ops.edge_softmax(s, rowptr),
+                                   pyg_softmax(s, ptr=rowptr))
+        out = ops.softmax_aggregate(rowptr, col, s, v)
+        assert out.shape == (len(deg), 3, 4)
+        empty = torch.tensor(deg, device=device) == 0
+        assert out[empty].eq(0).all()
+
+
+# ----------------------------------------------------------- 64-bit safety
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize('idx', [torch.int32, torch.int64])
+def test_64bit_sizes(idx):
+    """E * H * C and Ns * H * C past 2^31 elements (E = 70M, H * C = 32)."""
+    torch.cuda.empty_cache()
+    dev = 'cuda'
+    E, N, Ns, H, C = 70_000_000, 1 << 21, 70_000_000, 1, 32
+    assert E * H * C > 2**31 and Ns * H * C > 2**31
+    deg = torch.full((N, ), E // N, dtype=torch.long)
+    deg[: E - int(deg.sum())] += 1
+    rowptr = torch.zeros(N + 1, dtype=torch.long, device=dev)
+    rowptr[1:] = deg.to(dev).cumsum(0)
+    # Columns reach the end of `values`, where offsets exceed 2^31.
+    col = torch.randint(Ns - 2_000_000, Ns, (E, ), device=dev)
+    rowptr, col = rowptr.to(idx), col.to(idx)
+    s = torch.randn(E, H, device=dev, dtype=torch.float16)
+    v = torch.randn(Ns, H, C, device=dev, dtype=torch.float16)
+    out = ops.softmax_aggregate(rowptr, col, s, v, validate=False)
+    dots = ops.sddmm(v, v, col, col, validate=False)
+    # Check sampled rows / edges against float64 on just those rows.
+    rows = torch.tensor([0, 1, N // 2, N - 1], device=dev)
+    for i in rows.tolist():
+        a, b = int(rowptr[i]), int(rowptr[i + 1])
+        alpha = torch.softmax(s[a:b].double(), dim=0)
+        ref = (alpha.unsqueeze(-1) * v[col[a:b].long()].double()).sum(0)
+        torch.testing.assert_close(out[i].double(), ref, atol=2e-2, rtol=2e-2)
+    for e in [0, E // 2, E - 1]:
+        j = int(col[e])
+        ref = (v[j].double() ** 2).sum(-1)
+        torch.testing.assert_close(dots[e].double(), ref, atol=0.1, rtol=1e-2)
+    del out, dots, s, v
+    torch.cuda.empty_cache()
+
+
+# -------------------------------------------------------------------- leaks
+@pytest.mark.parametrize('device', DEVICES)
+def test_no_leaks(device):
+    """1000 forward+backward iterations leave allocated memory flat."""
+    from pyg_fastattn.nn import FastGATConv
+    torch.manual_seed(0)
+    x = torch.randn(200, 16, device=device)
+    ei = torch.randint(0, 200, (2, 1500), device=device)
+    conv = FastGATConv(16, 8, heads=4, dropout=0.3).to(device)
+    conv.train()
+
+    def step():
+        out = conv(x, ei)
+        out.square().mean().backward()
+        conv.zero_grad(set_to_none=True)
+
+    def mem():
+        if device == 'cuda':
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated()
+        with open('/proc/self/statm') as f:
+            return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE')
+
+    for _ in range(50):
+        step()
+    before = mem()
+    for _ in range(1000):
+        step()
+    grown = mem() - before
+    limit = 0 if device == 'cuda' else 16 << 20  # RSS also moves with malloc
+    assert grown <= limit, f'memory grew by {grown / 2**20:.1f} MiB'
+
+
+# ------------------------------------------------------- build faults / race
+def _python(code, env, timeout=900):
+    return subprocess.run([sys.executable, '-c', textwrap.dedent(code)],
+                          env=env, capture_output=True, text=True,
+                          timeout=timeout, cwd=str(REPO))
+
+
+_PROBE = """
+    import warnings, torch
+    warnings.simplefilter('always')
+    with warnings.catch_warnings(record=True) as w:
+        import pyg_fastattn
+        from pyg_fastattn import ops
+        rowptr = torch.tensor([0, 2, 3]); col = torch.tensor([0, 1, 1])
+        s = torch.randn(3, 2); v = torch.randn(2, 2, 4)
+        out = ops.softmax_aggregate(rowptr, col, s, v)
+        out2 = ops.edge_softmax(s, rowptr)
+    ours = [x for x in w if 'pyg_fastattn' in str(x.message)]
+    info = pyg_fastattn.backend_info()
+    print('NATIVE', info['native_cpu'], 'WARNINGS', len(ours))
+    assert torch.allclose(out[1], v[1]), out
+"""
+
+
+def test_no_compiler_falls_back_to_reference(tmp_path):
+    env = dict(os.environ, PYG_FASTATTN_CACHE=str(tmp_path),
+               CXX=str(tmp_path / 'no-such-compiler'), PYG_FASTATTN_BACKEND='auto')
+    r = _python(_PROBE, env)
+    assert r.returncode == 0, r.stderr
+    assert 'NATIVE False WARNINGS 1' in r.stdout, r.stdout + r.stderr
+
+
+def test_broken_cache_falls_back_to_reference(tmp_path):
+    """A corrupt cached library (and no compiler to rebuild it) still lets
+    the package import and work, with one warning."""
+    code = """
+        import torch, sys
+        from pathlib import Path
+        from pyg_fastattn import _build
+        root = _build._csrc()
+        srcs = _build._sources(root, False)
+        d = _build._build_dir(root, srcs, False, _build._flags(False))
+        d.mkdir(parents=True)
+        (d / (_build.NAME + '.so')).write_bytes(b'not a shared library')
+        print(d)
+    """
+    env = dict(os.environ, PYG_FASTATTN_CACHE=str(tmp_path),
+               CUDA_VISIBLE_DEVICES='', PYG_FASTATTN_BACKEND='auto')
+    r = _python(code, env)
+    assert r.returncode == 0, r.stderr
+    env['CXX'] = str(tmp_path / 'no-such-compiler')
+    r = _python(_PROBE, env)
+    assert r.returncode == 0, r.stderr
+    assert 'NATIVE False WARNINGS 1' in r.stdout, r.stdout + r.stderr
+
+
+def test_reference_backend_env(tmp_path):
+    env = dict(os.environ, PYG_FASTATTN_BACKEND='reference',
+               PYG_FASTATTN_CACHE=str(tmp_path))
+    r = _python(_PROBE, env)
+    assert r.returncode == 0, r.stderr
+    assert 'NATIVE False WARNINGS 0' in r.stdout, r.stdout
+    assert not any(tmp_path.iterdir()), 'reference backend must not build'
+
+
+@pytest.mark.skipif(os.environ.get('PYG_FASTATTN_BACKEND') == 'reference',
+                    reason='native backend disabled')
+def test_concurrent_builds(tmp_path):
+    """Two processes importing and building into one fresh cache at once
+    both succeed and both get the native kernels."""
+    env = dict(os.environ, PYG_FASTATTN_CACHE=str(tmp_path),
+               PYG_FASTATTN_BACKEND='native', PYG_FASTATTN_CUDA='0')
+    code = textwrap.dedent(_PROBE)
+    procs = [subprocess.Popen([sys.executable, '-c', code], env=env,
+                              cwd=str(REPO), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=1200) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert 'NATIVE True WARNINGS 0' in out, out + err
