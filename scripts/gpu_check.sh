@@ -1,0 +1,284 @@
+#!/usr/bin/env bash
+# One GPU-machine session of checks: versions, CUDA build, tests, benchmarks.
+#
+#   scripts/gpu_check.sh                     # all steps: info build tests ops gat
+#   scripts/gpu_check.sh build tests         # only some steps (info always runs)
+#   scripts/gpu_check.sh build bench         # bench = ops + gat
+#   scripts/gpu_check.sh build bench quick   # benchmarks with --quick sizes
+#
+# Steps (each logged to its own file, summarized at the end; the script goes
+# on past failures and exits non-zero if any step failed, timed out or was
+# skipped for lack of time):
+#   info   nvidia-smi, versions of python/torch/PyG/CUDA/nvcc/ninja
+#   build  python3 -m pyg_fastattn.build (PYG_FASTATTN_VERBOSE=1), and a check
+#          that the CUDA kernels are native
+#   tests  python3 -m pytest tests -q -x -m cuda, then python3 -m pytest tests -q
+#   ops    benchmarks/bench_ops.py --device $DEV
+#   gat    benchmarks/bench_gat.py --device $DEV --cuda-graph
+#
+# Time: the whole run stays within GPU_CHECK_BUDGET seconds (default 530, so
+# one device call of <= ~9 minutes suffices). Each step runs under `timeout`
+# with min(its own limit, what is left minus the minimum reserved for the
+# steps after it). Limits (seconds) can be changed with T_INFO, T_BUILD,
+# T_TESTS_CUDA, T_TESTS, T_OPS, T_GAT.
+#
+# Outputs in $OUT (default ./gpu_out), at most 8 files, refreshed after every
+# step so that a killed run still returns what it had:
+#   summary.txt       step table, environment, benchmark tables, failing tails
+#   gpu_check.tar.gz  every log and every benchmark output (json/csv/md/png)
+#   build.log, tests.log, bench.log   (tails of) the step logs
+#   ops_cuda.md, gat_cuda.md, gat_cuda.png
+# Data: if ./.data/Planetoid exists (a copy of shared/data carried along),
+# PYG_FASTATTN_DATA points there. Other knobs: OUT, PYG_FASTATTN_CACHE
+# (default /tmp/pyg_fastattn_cache), GPU_CHECK_WORK (scratch folder),
+# GPU_CHECK_DEVICE=cpu (run the same steps without a GPU: script smoke test).
+set -uo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+ROOT=$PWD
+export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export PYG_FASTATTN_CACHE="${PYG_FASTATTN_CACHE:-/tmp/pyg_fastattn_cache}"
+if [ -d "$ROOT/.data/Planetoid" ]; then
+    export PYG_FASTATTN_DATA="$ROOT/.data/Planetoid"
+fi
+# GPU_CHECK_DEVICE=cpu runs the same steps on a machine without a GPU (to
+# smoke-test this script); the default is cuda.
+export GPU_CHECK_DEVICE="${GPU_CHECK_DEVICE:-cuda}"
+DEV=$GPU_CHECK_DEVICE
+OUT="${OUT:-$ROOT/gpu_out}"
+mkdir -p "$OUT"
+WORK="${GPU_CHECK_WORK:-/tmp/gpu_check.$$}"
+LOGS="$WORK/logs"
+BENCH="$WORK/bench_out"
+rm -rf "$WORK"
+mkdir -p "$LOGS" "$BENCH"
+STATUS="$WORK/status.txt"
+: >"$STATUS"
+
+BUDGET=${GPU_CHECK_BUDGET:-530}
+RESERVE=15 # for the final collection
+START=$SECONDS
+
+# ---------------------------------------------------------------- arguments
+want_info=1 want_build=0 want_tests=0 want_ops=0 want_gat=0 quick=""
+if [ $# -eq 0 ]; then
+    want_build=1 want_tests=1 want_ops=1 want_gat=1
+fi
+for a in "$@"; do
+    case "$a" in
+        all) want_build=1 want_tests=1 want_ops=1 want_gat=1 ;;
+        info) ;;
+        build) want_build=1 ;;
+        tests | test) want_tests=1 ;;
+        ops) want_ops=1 ;;
+        gat) want_gat=1 ;;
+        bench) want_ops=1 want_gat=1 ;;
+        quick) quick="--quick" ;;
+        -h | --help)
+            awk 'NR > 1 && !/^#/ {exit} NR > 1' "${BASH_SOURCE[0]}"
+            exit 0
+            ;;
+        *)
+            echo "unknown step '$a' (info build tests ops gat bench all quick)" >&2
+            exit 2
+            ;;
+    esac
+done
+
+# min seconds reserved for each later step (so early steps cannot starve them)
+MIN_TESTS_CUDA=45 MIN_TESTS=60 MIN_OPS=90 MIN_GAT=120
+
+reserved_after() { # sum of the minimum shares of the wanted steps after $1
+    local s=0 seen=0 st
+    for st in info build tests_cuda tests ops gat; do
+        if [ $seen -eq 1 ]; then
+            case $st in
+                tests_cuda) [ $want_tests -eq 1 ] && s=$((s + MIN_TESTS_CUDA)) ;;
+                tests) [ $want_tests -eq 1 ] && s=$((s + MIN_TESTS)) ;;
+                ops) [ $want_ops -eq 1 ] && s=$((s + MIN_OPS)) ;;
+                gat) [ $want_gat -eq 1 ] && s=$((s + MIN_GAT)) ;;
+            esac
+        fi
+        [ "$st" = "$1" ] && seen=1
+    done
+    echo $s
+}
+
+FAILED=0
+STEPS="${*:-info build tests ops gat}"
+
+# ---------------------------------------------------------------- collection
+tail_into() { # tail_into DEST LINES FILE...
+    local dest=$1 n=$2 f
+    shift 2
+    : >"$dest"
+    for f in "$@"; do
+        [ -f "$f" ] || continue
+        echo "===== $(basename "$f") (last $n lines) =====" >>"$dest"
+        tail -n "$n" "$f" >>"$dest"
+        echo >>"$dest"
+    done
+}
+
+collect() {
+    {
+        echo "gpu_check: $(date -u '+%Y-%m-%d %H:%M:%S UTC'), elapsed $((SECONDS - START)) s of $BUDGET"
+        echo "steps requested: $STEPS"
+        echo
+        printf '%-11s %-9s %6s  %s\n' STEP STATUS SECONDS NOTE
+        cat "$STATUS"
+        echo
+        if [ -f "$LOGS/info.log" ]; then
+            echo "===== environment ====="
+            grep -v '^\$ ' "$LOGS/info.log" | grep -E '^(GPU|torch|python|pyg|ninja|cpus)|NVIDIA-SMI|Cuda compilation' | head -20
+            echo
+        fi
+        for f in "$LOGS/build.log"; do
+            [ -f "$f" ] && {
+                echo "===== build (last lines) ====="
+                tail -n 5 "$f"
+                echo
+            }
+        done
+        for f in "$LOGS/tests_cuda.log" "$LOGS/tests.log"; do
+            [ -f "$f" ] && {
+                echo "===== $(basename "$f") (summary) ====="
+                grep -E '^(FAILED|ERROR)' "$f" | head -n 30
+                grep -E '^SKIPPED' "$f" | head -n 8
+                grep -E '(passed|failed|errors?|skipped|deselected|no tests ran).* in [0-9.]+s' "$f" | tail -n 2
+                echo
+            }
+        done
+        for f in "$BENCH/ops_$DEV.md" "$BENCH/gat_$DEV.md"; do
+            [ -f "$f" ] && {
+                cat "$f"
+                echo
+            }
+        done
+        for f in "$LOGS"/*.log; do
+            [ -f "$f" ] || continue
+            n=$(basename "$f" .log)
+            if grep -qE "^$n +(FAIL|TIMEOUT)" "$STATUS"; then
+                echo "===== $n FAILED: last 40 lines ====="
+                tail -n 40 "$f"
+                echo
+            fi
+        done
+    } >"$OUT/summary.txt" 2>/dev/null
+    tail_into "$OUT/build.log" 400 "$LOGS/build.log"
+    tail_into "$OUT/tests.log" 400 "$LOGS/tests_cuda.log" "$LOGS/tests.log"
+    tail_into "$OUT/bench.log" 300 "$LOGS/ops.log" "$LOGS/gat.log"
+    for f in "ops_$DEV.md" "gat_$DEV.md" "gat_$DEV.png"; do
+        [ -f "$BENCH/$f" ] && cp "$BENCH/$f" "$OUT/$f"
+    done
+    [ -f "$OUT/build.log" ] && [ ! -s "$OUT/build.log" ] && rm -f "$OUT/build.log"
+    [ -f "$OUT/tests.log" ] && [ ! -s "$OUT/tests.log" ] && rm -f "$OUT/tests.log"
+    [ -f "$OUT/bench.log" ] && [ ! -s "$OUT/bench.log" ] && rm -f "$OUT/bench.log"
+    cp "$STATUS" "$WORK/status_copy.txt" 2>/dev/null
+    tar -czf "$OUT/gpu_check.tar.gz.tmp" -C "$WORK" logs bench_out status.txt 2>/dev/null &&
+        mv "$OUT/gpu_check.tar.gz.tmp" "$OUT/gpu_check.tar.gz"
+}
+
+# ---------------------------------------------------------------- steps
+# run_step NAME LIMIT COMMAND (a bash -c string); the timeout is cut to
+# what the budget leaves after reserving the later steps' minimum shares.
+run_step() {
+    local name=$1 limit=$2 cmd=$3
+    local left=$((BUDGET - (SECONDS - START) - RESERVE - $(reserved_after "$name")))
+    local t0=$SECONDS rc st note=""
+    if [ "$left" -lt 15 ]; then
+        printf '%-11s %-9s %6s  %s\n' "$name" SKIPPED 0 "no time left in the ${BUDGET}s budget" >>"$STATUS"
+        FAILED=1
+        collect
+        return
+    fi
+    [ "$limit" -gt "$left" ] && {
+        note="limit cut to ${left}s"
+        limit=$left
+    }
+    echo ">>> [$((SECONDS - START))s] $name (timeout ${limit}s${note:+, $note}), log $LOGS/$name.log"
+    {
+        printf '%s\n' "$cmd" | sed 's/^/$ /'
+        echo "\$ (timeout ${limit}s, started $(date -u '+%H:%M:%S UTC'))"
+    } >"$LOGS/$name.log"
+    STEP_LIMIT=$limit timeout --kill-after=10 "$limit" bash -c "$cmd" >>"$LOGS/$name.log" 2>&1
+    rc=$?
+    case $rc in
+        0) st=PASS ;;
+        124 | 137) st=TIMEOUT ;;
+        *) st="FAIL($rc)" ;;
+    esac
+    if [ "$name" != info ] && [ "$st" != PASS ]; then FAILED=1; fi
+    if [[ $name == tests* ]] && [ $rc -eq 5 ]; then
+        st=NOTESTS
+        FAILED=1
+    fi
+    printf '%-11s %-9s %6s  %s\n' "$name" "$st" "$((SECONDS - t0))" "$note" >>"$STATUS"
+    echo "<<< $name: $st in $((SECONDS - t0)) s"
+    tail -n 3 "$LOGS/$name.log" | sed 's/^/    /'
+    collect
+}
+
+
+run_step info "${T_INFO:-60}" '
+nvidia-smi || echo "nvidia-smi failed"
+echo
+echo "python: $(python3 --version 2>&1) at $(command -v python3)"
+python3 - <<EOF
+import torch, platform
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("GPU", p.name, round(p.total_memory / 2**30, 1), "GiB", p.multi_processor_count, "SMs", "cc", f"{p.major}.{p.minor}")
+try:
+    import torch_geometric
+    print("pyg", torch_geometric.__version__)
+except Exception as e:
+    print("pyg import failed:", e)
+EOF
+nvcc --version 2>&1 | tail -n 2 || echo "no nvcc"
+echo "ninja $(ninja --version 2>&1 || echo missing)"
+python3 -m pip list 2>/dev/null | grep -i -E "^(torch|torch-geometric|torch_geometric|pytest|scipy|matplotlib|numpy|ninja) " || true
+echo "cpus: $(nproc); $(grep -m1 "model name" /proc/cpuinfo)"
+free -g | head -2
+df -h /tmp | tail -1
+echo "PYG_FASTATTN_DATA=${PYG_FASTATTN_DATA:-unset}; PYG_FASTATTN_CACHE=$PYG_FASTATTN_CACHE"
+'
+
+if [ $want_build -eq 1 ]; then
+    run_step build "${T_BUILD:-360}" '
+PYG_FASTATTN_VERBOSE=1 python3 -m pyg_fastattn.build || exit $?
+python3 - <<EOF
+import os, sys
+from pyg_fastattn._build import info
+i = info()
+print(i)
+if os.environ["GPU_CHECK_DEVICE"] == "cuda" and not i["native_cuda"]:
+    print("CUDA kernels are NOT native")
+    sys.exit(3)
+EOF
+'
+fi
+
+if [ $want_tests -eq 1 ]; then
+    run_step tests_cuda "${T_TESTS_CUDA:-150}" \
+        'python3 -m pytest tests -q -x -m cuda -rfEs --durations=10 -p no:cacheprovider'
+    run_step tests "${T_TESTS:-240}" \
+        'python3 -m pytest tests -q -rfE --durations=15 -p no:cacheprovider'
+fi
+
+if [ $want_ops -eq 1 ]; then
+    # --budget-s: start no new workload once the step's timeout is near
+    run_step ops "${T_OPS:-180}" "python3 benchmarks/bench_ops.py --device $DEV --out '$BENCH' --budget-s \$(( STEP_LIMIT > 80 ? STEP_LIMIT - 40 : STEP_LIMIT / 2 )) $quick"
+fi
+
+if [ $want_gat -eq 1 ]; then
+    run_step gat "${T_GAT:-240}" "python3 benchmarks/bench_gat.py --device $DEV --cuda-graph --out '$BENCH' --budget-s \$(( STEP_LIMIT > 120 ? STEP_LIMIT - 60 : STEP_LIMIT / 2 )) $quick"
+fi
+
+collect
+echo
+cat "$STATUS"
+echo "outputs in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+exit $FAILED
