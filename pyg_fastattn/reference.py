@@ -27,7 +27,14 @@ def _opmath(dtype: torch.dtype) -> torch.dtype:
 def rows_of(rowptr: Tensor, num_edges: int) -> Tensor:
     """Row id of each edge position (N for positions outside every row)."""
     pos = torch.arange(num_edges, device=rowptr.device, dtype=rowptr.dtype)
-    return torch.searchsorted(rowptr[1:].contiguous(), pos, right=True)
+    return torch.searchsorted(rowptr[1:].contiguous(), pos, right=True,
+                              out_int32=rowptr.dtype == torch.int32)
+
+
+def _safe(index: Tensor, valid: Tensor) -> Tensor:
+    """``index`` with positions outside every row pointed at entry 0 (their
+    results are masked out), so gathers stay in bounds."""
+    return torch.where(valid, index, torch.zeros_like(index))
 
 
 def _pad_row(x: Tensor) -> Tensor:
@@ -77,9 +84,12 @@ def edge_softmax_backward(rowptr: Tensor, out: Tensor,
 
 
 def sddmm_dot(a: Tensor, b: Tensor, a_idx: Tensor, b_idx: Tensor) -> Tensor:
+    # An out-of-range index gives 0, as in the kernels (backward passes rows
+    # that are N for positions outside every row).
     t = _opmath(a.dtype)
-    out = (a[a_idx].to(t) * b[b_idx].to(t)).sum(dim=-1)
-    return out.to(a.dtype)
+    ok = (a_idx >= 0) & (a_idx < a.size(0)) & (b_idx >= 0) & (b_idx < b.size(0))
+    out = (a[_safe(a_idx, ok)].to(t) * b[_safe(b_idx, ok)].to(t)).sum(dim=-1)
+    return (out * ok.view(-1, 1)).to(a.dtype)
 
 
 def spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor],
@@ -89,7 +99,7 @@ def spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor],
     _, H, C = values.shape
     t = _opmath(values.dtype)
     row = rows_of(rowptr, E)
-    msg = values[col].to(t)
+    msg = values[_safe(col, row < N)].to(t)
     if weight is not None:
         w = weight[weight_perm] if weight_perm is not None else weight
         msg = msg * w.to(t).unsqueeze(-1)
@@ -110,6 +120,7 @@ def _attention_scores(rowptr, col, a_src, a_dst, a_edge, negative_slope, t):
     """Pre-activation z [E, H] and score s = leaky_relu(z) in dtype t."""
     E = col.numel()
     row = rows_of(rowptr, E)
+    col = _safe(col, row < rowptr.numel() - 1)
     z = None
     for term in (a_src[col] if a_src is not None else None,
                  _pad_row(a_dst)[row] if a_dst is not None else None, a_edge):
@@ -130,7 +141,7 @@ def attention(rowptr: Tensor, col: Tensor, a_src: Optional[Tensor],
                                   negative_slope, t)
     alpha, lse = _row_softmax(rowptr, row, s)
     p = alpha * mask.to(t) if mask is not None else alpha
-    msg = p.unsqueeze(-1) * values[col].to(t)
+    msg = p.unsqueeze(-1) * values[_safe(col, row < N)].to(t)
     out = msg.new_zeros((N + 1, H, C)).index_add(0, row, msg)
     return out[:N].to(values.dtype), lse
 
@@ -150,7 +161,7 @@ def attention_backward(rowptr: Tensor, col: Tensor, a_src: Optional[Tensor],
                         torch.zeros_like(s))
     m = mask.to(t) if mask is not None else torch.ones_like(alpha)
     go = _pad_row(grad_out.to(t))
-    g = m * (go[row] * values[col].to(t)).sum(-1)
+    g = m * (go[row] * values[_safe(col, row < N)].to(t)).sum(-1)
     delta = (go * _pad_row(out.to(t))).sum(-1)[row]
     grad_s = alpha * (g - delta)
     grad_z = torch.where(z > 0, grad_s, grad_s * negative_slope)

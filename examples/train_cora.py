@@ -1,0 +1,333 @@
+#!/usr/bin/env python
+"""Train PyG's standard GAT on Cora / CiteSeer / PubMed, with pyg_fastattn's
+FastGATConv, PyG's GATConv, or both side by side.
+
+The model is PyG's examples/gat.py: dropout 0.6 on features and attention,
+GATConv(F, 8, heads=8) -> ELU -> GATConv(64, classes, heads=1,
+concat=False); Adam (lr 0.005, weight decay 5e-4); NormalizeFeatures; the
+public split. We report test accuracy at the epoch of best validation
+accuracy and the median time of a training step (forward, loss, backward,
+optimizer step; evaluation excluded).
+
+    python examples/train_cora.py                       # FastGATConv on Cora
+    python examples/train_cora.py --layer both --runs 5 # side-by-side table
+    python examples/train_cora.py --dataset PubMed --synthetic --layer both
+    python examples/train_cora.py --device cuda --cuda-graph
+
+Data are never downloaded: see ``pyg_fastattn.datasets.load_planetoid``
+(--root DIR or PYG_FASTATTN_DATA=DIR with DIR/Cora/raw/ind.cora.*).
+"""
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import pyg_fastattn
+except ImportError:  # running from a source checkout without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    import pyg_fastattn
+
+from torch_geometric.nn import GATConv
+
+from pyg_fastattn import FastGATConv, prepare
+from pyg_fastattn.datasets import (DatasetNotFoundError, load_planetoid,
+                                   synthetic_pubmed)
+
+LAYERS = {'fast': FastGATConv, 'pyg': GATConv}
+
+
+class GAT(torch.nn.Module):
+    """PyG's examples/gat.py model."""
+    def __init__(self, conv, in_channels, hidden, out_channels, heads=8,
+                 dropout=0.6):
+        super().__init__()
+        self.dropout = dropout
+        self.conv1 = conv(in_channels, hidden, heads, dropout=dropout)
+        self.conv2 = conv(hidden * heads, out_channels, heads=1, concat=False,
+                          dropout=dropout)
+
+    def forward(self, x, edge_index):
+        x = F.dropout(x, p=self.dropout, training=self.training)
+        x = F.elu(self.conv1(x, edge_index))
+        x = F.dropout(x, p=self.dropout, training=self.training)
+        return self.conv2(x, edge_index)
+
+
+# Memory ######################################################################
+
+
+class PeakTensorMemory(torch.utils._python_dispatch.TorchDispatchMode):
+    """Peak bytes of live tensor storages seen by the ops run under it (a
+    CPU stand-in for ``torch.cuda.max_memory_allocated``: parameters, data,
+    activations, gradients and optimizer state that the step touches;
+    scratch memory inside a kernel is not seen)."""
+    def __init__(self):
+        super().__init__()
+        from torch.multiprocessing.reductions import StorageWeakRef
+        self._ref = StorageWeakRef
+        self.live = {}
+        self.current = self.peak = 0
+
+    def _add(self, t):
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            return
+        ref = self._ref(t.untyped_storage())
+        if ref.cdata not in self.live:
+            n = t.untyped_storage().nbytes()
+            self.live[ref.cdata] = (ref, n)
+            self.current += n
+
+    def _sweep(self):
+        for k in [k for k, (r, _) in self.live.items() if r.expired()]:
+            self.current -= self.live.pop(k)[1]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = torch.utils._pytree.tree_leaves
+        for t in leaves((args, kwargs)):
+            self._add(t)
+        out = func(*args, **kwargs)
+        self._sweep()
+        for t in leaves(out):
+            self._add(t)
+        self.peak = max(self.peak, self.current)
+        return out
+
+
+# Training ####################################################################
+
+
+def _accuracy(model, data, graph):
+    model.eval()
+    with torch.no_grad():
+        pred = model(data.x, graph).argmax(dim=-1)
+    return [float((pred[m] == data.y[m]).float().mean())
+            for m in (data.train_mask, data.val_mask, data.test_mask)]
+
+
+def _sync(device):
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device)
+
+
+def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
+          hidden=8, heads=8, dropout=0.6, device=None, seed=0, log_every=0,
+          cuda_graph=False, measure_memory=True, log=print):
+    """Train one GAT and return a dict: ``test_acc`` (at the best validation
+    epoch), ``best_val_acc``, ``best_epoch``, ``epoch_times`` (seconds per
+    training step), ``median_epoch_ms``, ``peak_memory`` (bytes or None)
+    and ``memory_method``."""
+    device = torch.device(device or ('cuda' if torch.cuda.is_available()
+                                     else 'cpu'))
+    num_classes = int(data.y.max()) + 1
+    data = data.to(device)
+    torch.manual_seed(seed)
+    model = GAT(LAYERS[layer], data.num_features, hidden, num_classes, heads,
+                dropout).to(device)
+    use_graph = cuda_graph and device.type == 'cuda' and layer == 'fast'
+    if cuda_graph and not use_graph:
+        log(f'[{layer}] --cuda-graph needs CUDA and the fast layer (GATConv '
+            f'syncs with the host while removing self-loops); running eagerly')
+    opt = torch.optim.Adam(model.parameters(), lr=lr,
+                           weight_decay=weight_decay, capturable=use_graph)
+    # FastGATConv caches the prepared graph by itself; preparing it up front
+    # keeps host syncs out of the timed steps and the CUDA graph.
+    graph = prepare(data.edge_index, num_nodes=data.num_nodes) \
+        if layer == 'fast' else data.edge_index
+
+    train_idx = data.train_mask.nonzero().view(-1)  # no sync inside steps
+    train_y = data.y[train_idx]
+
+    def step():
+        out = model(data.x, graph)
+        loss = F.cross_entropy(out[train_idx], train_y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    if device.type == 'cuda':
+        torch.cuda.reset_peak_memory_stats(device)
+    captured, static_loss, warmup = None, None, 3
+    side = torch.cuda.Stream(device) if use_graph else None
+
+    best_val, test_acc, best_epoch, times = -1.0, 0.0, 0, []
+    for epoch in range(1, epochs + 1):
+        model.train()
+        _sync(device)
+        t0 = time.perf_counter()
+        if not use_graph:
+            opt.zero_grad(set_to_none=True)
+            loss = step()
+        elif epoch <= warmup:  # warm up on a side stream before capture
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                opt.zero_grad(set_to_none=True)
+                loss = step()
+            torch.cuda.current_stream(device).wait_stream(side)
+        else:
+            if captured is None:
+                opt.zero_grad(set_to_none=True)
+                captured = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(captured):
+                    static_loss = step()
+            captured.replay()  # fresh dropout: torch.rand is graph-safe
+            loss = static_loss
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+
+        train_acc, val_acc, tmp_test = _accuracy(model, data, graph)
+        if val_acc > best_val:
+            best_val, test_acc, best_epoch = val_acc, tmp_test, epoch
+        if log_every and (epoch % log_every == 0 or epoch == epochs):
+            log(f'[{layer}] epoch {epoch:3d}  loss {float(loss.detach()):.4f}  '
+                f'train {train_acc:.3f}  val {val_acc:.3f}  test {tmp_test:.3f}'
+                f'  step {1e3 * times[-1]:.1f} ms')
+
+    peak, method = None, None
+    if device.type == 'cuda':
+        peak, method = torch.cuda.max_memory_allocated(device), \
+            'torch.cuda.max_memory_allocated over training'
+    elif measure_memory:
+        peak, method = _cpu_step_memory(model, opt, step), \
+            'peak live tensor bytes in one training step (dispatch tracker)'
+    steady = times[1:] if len(times) > 1 else times  # first step prepares
+    return {
+        'layer': layer, 'test_acc': test_acc, 'best_val_acc': best_val,
+        'best_epoch': best_epoch, 'epoch_times': times,
+        'median_epoch_ms': 1e3 * statistics.median(steady),
+        'peak_memory': peak, 'memory_method': method,
+    }
+
+
+def _cpu_step_memory(model, opt, step_fn):
+    """Peak tensor memory of one training step, on copies of the model and
+    optimizer (the trained ones are left as they are)."""
+    saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    model.train()
+    tracker = PeakTensorMemory()
+    try:
+        opt.zero_grad(set_to_none=True)
+        with tracker:
+            step_fn()
+    finally:
+        model.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        opt.zero_grad(set_to_none=True)
+    return tracker.peak
+
+
+# Command line ################################################################
+
+
+def _mib(n):
+    return 'n/a' if n is None else f'{n / 2**20:.1f} MiB'
+
+
+def load_data(dataset, root=None, synthetic=False):
+    if synthetic:
+        return synthetic_pubmed(), 'synthetic PubMed-sized graph'
+    ds = load_planetoid(dataset, root)
+    return ds[0], ds.name
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(
+        description=__doc__.split('\n\n')[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument('--dataset', default='Cora',
+                   type=lambda s: {'cora': 'Cora', 'citeseer': 'CiteSeer',
+                                   'pubmed': 'PubMed'}.get(s.lower(), s),
+                   choices=['Cora', 'CiteSeer', 'PubMed'])
+    p.add_argument('--layer', default='fast', choices=['fast', 'pyg', 'both'])
+    p.add_argument('--epochs', type=int, default=200)
+    p.add_argument('--runs', type=int, default=1)
+    p.add_argument('--device', default='auto', help="'auto', 'cpu', 'cuda'")
+    p.add_argument('--root', default=None,
+                   help='Planetoid root holding <Name>/raw/ind.<name>.* '
+                   '(default: $PYG_FASTATTN_DATA, ./data/Planetoid, then '
+                   '../shared/data/Planetoid)')
+    p.add_argument('--seed', type=int, default=0)
+    p.add_argument('--log-every', type=int, default=20,
+                   help='progress line every N epochs (0: none)')
+    p.add_argument('--threads', type=int, default=None,
+                   help='torch.set_num_threads (CPU)')
+    p.add_argument('--synthetic', action='store_true',
+                   help='use a PubMed-sized random graph instead of files '
+                   '(benchmarking only)')
+    p.add_argument('--cuda-graph', action='store_true',
+                   help='capture the whole training step in a CUDA graph '
+                   '(fast layer, CUDA only)')
+    p.add_argument('--no-memory', action='store_true',
+                   help='skip the CPU memory measurement')
+    args = p.parse_args(argv)
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device('cuda' if args.device == 'auto'
+                          and torch.cuda.is_available() else
+                          'cpu' if args.device == 'auto' else args.device)
+    try:
+        data, name = load_data(args.dataset, args.root, args.synthetic)
+    except DatasetNotFoundError as e:
+        print(f'error: {e}', file=sys.stderr)
+        return 2
+    print(f'{name}: {data.num_nodes} nodes, {data.num_edges} edges, '
+          f'{data.num_features} features; device {device}'
+          f'{"" if device.type != "cpu" else f", {torch.get_num_threads()} threads"}'
+          f'; pyg_fastattn backend: '
+          f'{"native" if pyg_fastattn.backend_info()["native_cpu"] else "reference"}')
+
+    layers = ['fast', 'pyg'] if args.layer == 'both' else [args.layer]
+    results = {k: [] for k in layers}
+    for run in range(args.runs):
+        for layer in layers:
+            r = train(data, layer, epochs=args.epochs, device=device,
+                      seed=args.seed + run, log_every=args.log_every,
+                      cuda_graph=args.cuda_graph,
+                      measure_memory=not args.no_memory)
+            results[layer].append(r)
+            print(f'[{layer}] run {run + 1}: test accuracy {r["test_acc"]:.4f}'
+                  f' (best val {r["best_val_acc"]:.4f} at epoch '
+                  f'{r["best_epoch"]}), median epoch '
+                  f'{r["median_epoch_ms"]:.2f} ms, peak memory '
+                  f'{_mib(r["peak_memory"])}')
+
+    rows = []
+    for layer in layers:
+        rs = results[layer]
+        accs = [r['test_acc'] for r in rs]
+        std = statistics.stdev(accs) if len(accs) > 1 else 0.0
+        ms = statistics.median(t for r in rs for t in r['epoch_times'][1:]
+                               or r['epoch_times']) * 1e3
+        mem = [r['peak_memory'] for r in rs if r['peak_memory'] is not None]
+        rows.append((layer, f'{statistics.mean(accs):.4f} ± {std:.4f}',
+                     f'{ms:.2f}', _mib(max(mem) if mem else None), ms,
+                     max(mem) if mem else None))
+    if len(rows) > 1:
+        print()
+        print(f'{"layer":6s} {"test acc (mean ± std)":>22s} '
+              f'{"median epoch ms":>16s} {"peak memory":>12s}')
+        for r in rows:
+            print(f'{r[0]:6s} {r[1]:>22s} {r[2]:>16s} {r[3]:>12s}')
+        f, g = rows[0], rows[1]
+        line = f'fast vs pyg: {g[4] / f[4]:.2f}x faster per epoch'
+        if f[5] and g[5]:
+            line += f', {g[5] / f[5]:.2f}x less peak memory'
+        print(line)
+        method = results[layers[0]][0]['memory_method']
+        if method:
+            print(f'(memory: {method})')
+    else:
+        r = rows[0]
+        print(f'{r[0]}: test accuracy {r[1]}, median epoch {r[2]} ms')
+    return 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

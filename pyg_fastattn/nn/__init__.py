@@ -1,0 +1,7 @@
+"""Drop-in PyG layers on the fused kernels."""
+from .gat_conv import FastGATConv
+from .graph import PreparedGraph, cache_info, clear_cache, prepare
+from .swap import swap_gat
+
+__all__ = ['FastGATConv', 'swap_gat', 'prepare', 'PreparedGraph',
+           'cache_info', 'clear_cache']
