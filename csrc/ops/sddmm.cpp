@@ -13,7 +13,9 @@ void check_sddmm_dot(const at::Tensor& a, const at::Tensor& b,
   PFA_CHECK(a.size(1) == b.size(1) && a.size(2) == b.size(2),
             "`a` and `b` must agree in heads and channels, got ", a.sizes(),
             " and ", b.sizes());
-  check_rowptr(a_idx, "a_idx");  // 1-D integer
+  PFA_CHECK(a_idx.dim() == 1, "`a_idx` must be 1-D, got shape ", a_idx.sizes());
+  PFA_CHECK(a_idx.scalar_type() == at::kInt || a_idx.scalar_type() == at::kLong,
+            "`a_idx` must be int32 or int64, got ", a_idx.scalar_type());
   check_index(b_idx, a_idx, "b_idx");
   check_same_device(a, a_idx, "a", "a_idx");
   PFA_CHECK(a_idx.numel() == b_idx.numel(), "`a_idx` and `b_idx` must have the "

@@ -1,0 +1,99 @@
+// edge_softmax / edge_softmax_backward (CPU): softmax over the edges of each
+// CSR row, per head.
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "utils.h"
+
+namespace pyg_fastattn {
+namespace {
+
+// Rows are split over threads in chunks of balanced edge counts
+// (parallel_rows); each thread does all heads of its rows in three passes
+// over the row (max; exp, stored in out, and its sum; normalize).
+at::Tensor edge_softmax_cpu(const at::Tensor& rowptr_, const at::Tensor& scores_) {
+  check_edge_softmax(rowptr_, scores_);
+  const at::Tensor rowptr = rowptr_.contiguous(), scores = scores_.contiguous();
+  const int64_t N = rowptr.numel() - 1, E = scores.size(0), H = scores.size(1);
+  at::Tensor out = at::empty({E, H}, scores.options());
+  PFA_DISPATCH_INDEX(rowptr.scalar_type(), "edge_softmax_cpu", [&] {
+    AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "edge_softmax_cpu", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      static_assert(std::is_same_v<acc_t, scalar_t>, "out holds exp() unrounded");
+      const index_t* rp = rowptr.const_data_ptr<index_t>();
+      const scalar_t* s = scores.const_data_ptr<scalar_t>();
+      scalar_t* o = out.data_ptr<scalar_t>();
+      cpu::zero_outside_rows(out, rp, N);
+      cpu::parallel_rows(rp, N, E, H, [&](int64_t r0, int64_t r1) {
+        std::vector<acc_t> m(H), den(H);
+        for (int64_t i = r0; i < r1; ++i) {
+          const auto [b, e] = cpu::row_range(rp, i, E);
+          std::fill(m.begin(), m.end(), -std::numeric_limits<acc_t>::infinity());
+          std::fill(den.begin(), den.end(), acc_t(0));
+          for (int64_t k = b; k < e; ++k)  // a NaN makes den, so the row, NaN
+            for (int64_t h = 0; h < H; ++h)
+              m[h] = std::max(m[h], acc_t(s[k * H + h]));
+          for (int64_t h = 0; h < H; ++h)  // all -inf: exp gives 0, not NaN
+            if (m[h] == -std::numeric_limits<acc_t>::infinity()) m[h] = 0;
+          for (int64_t k = b; k < e; ++k)
+            for (int64_t h = 0; h < H; ++h) {
+              const acc_t ex = std::exp(acc_t(s[k * H + h]) - m[h]);
+              o[k * H + h] = ex;  // exact: scalar_t is acc_t on CPU
+              den[h] += ex;
+            }
+          for (int64_t k = b; k < e; ++k)
+            for (int64_t h = 0; h < H; ++h)  // den == 0: empty or all -inf
+              o[k * H + h] = den[h] == 0 ? scalar_t(0) : o[k * H + h] / den[h];
+        }
+      });
+    });
+  });
+  return out;
+}
+
+// Same split as the forward; two passes per row: sum_row(out * grad_out),
+// then out * (grad_out - sum).
+at::Tensor edge_softmax_backward_cpu(const at::Tensor& rowptr_,
+                                     const at::Tensor& out_,
+                                     const at::Tensor& grad_out_) {
+  check_edge_softmax_backward(rowptr_, out_, grad_out_);
+  const at::Tensor rowptr = rowptr_.contiguous(), out = out_.contiguous(),
+                   grad_out = grad_out_.contiguous();
+  const int64_t N = rowptr.numel() - 1, E = out.size(0), H = out.size(1);
+  at::Tensor grad = at::empty({E, H}, out.options());
+  PFA_DISPATCH_INDEX(rowptr.scalar_type(), "edge_softmax_backward_cpu", [&] {
+    AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "edge_softmax_backward_cpu", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const index_t* rp = rowptr.const_data_ptr<index_t>();
+      const scalar_t* y = out.const_data_ptr<scalar_t>();
+      const scalar_t* g = grad_out.const_data_ptr<scalar_t>();
+      scalar_t* gs = grad.data_ptr<scalar_t>();
+      cpu::zero_outside_rows(grad, rp, N);
+      cpu::parallel_rows(rp, N, E, H, [&](int64_t r0, int64_t r1) {
+        std::vector<acc_t> sum(H);
+        for (int64_t i = r0; i < r1; ++i) {
+          const auto [b, e] = cpu::row_range(rp, i, E);
+          std::fill(sum.begin(), sum.end(), acc_t(0));
+          for (int64_t k = b; k < e; ++k)
+            for (int64_t h = 0; h < H; ++h)
+              sum[h] += acc_t(y[k * H + h]) * acc_t(g[k * H + h]);
+          for (int64_t k = b; k < e; ++k)
+            for (int64_t h = 0; h < H; ++h)
+              gs[k * H + h] = scalar_t(acc_t(y[k * H + h]) *
+                                       (acc_t(g[k * H + h]) - sum[h]));
+        }
+      });
+    });
+  });
+  return grad;
+}
+
+}  // namespace
+}  // namespace pyg_fastattn
+
+TORCH_LIBRARY_IMPL(pyg_fastattn, CPU, m) {
+  m.impl("edge_softmax", &pyg_fastattn::edge_softmax_cpu);
+  m.impl("edge_softmax_backward", &pyg_fastattn::edge_softmax_backward_cpu);
+}

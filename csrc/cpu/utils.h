@@ -1,0 +1,108 @@
+// Helpers shared by the CPU kernels.
+#pragma once
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "../common.h"
+
+namespace pyg_fastattn {
+namespace cpu {
+
+inline int64_t clamp64(int64_t v, int64_t lo, int64_t hi) {
+  return std::min(std::max(v, lo), hi);
+}
+
+// Edge range [begin, end) of row i, clamped into [0, E] so that a bad rowptr
+// can never index out of bounds.
+template <typename index_t>
+inline std::pair<int64_t, int64_t> row_range(const index_t* rowptr, int64_t i,
+                                             int64_t E) {
+  const int64_t b = clamp64(rowptr[i], 0, E);
+  return {b, clamp64(rowptr[i + 1], b, E)};
+}
+
+// Runs f(row_begin, row_end) in parallel on chunks of the N rows that hold
+// about equal work, measured as (edges + rows) * work_per_item, so that
+// high-degree rows do not leave threads idle. Row r has cost rowptr[r] + r
+// (increasing for a valid rowptr) and goes to the chunk holding its cost.
+template <typename index_t, typename F>
+void parallel_rows(const index_t* rowptr, int64_t N, int64_t E,
+                   int64_t work_per_item, const F& f) {
+  if (N <= 0) return;
+  auto cost = [&](int64_t r) { return clamp64(rowptr[r], 0, E) + r; };
+  auto first_row = [&](int64_t c) {  // first r in [0, N] with cost(r) >= c
+    int64_t lo = 0, hi = N;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (cost(mid) < c) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+  };
+  const int64_t grain =
+      std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, work_per_item));
+  at::parallel_for(0, N + E, grain, [&](int64_t begin, int64_t end) {
+    f(first_row(begin), first_row(end));
+  });
+}
+
+// Dot product of two length-n vectors, accumulated in opmath with 8
+// independent partial sums so that the compiler can vectorize it.
+template <typename T>
+inline at::opmath_type<T> dot(const T* a, const T* b, int64_t n) {
+  using acc_t = at::opmath_type<T>;
+  acc_t s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t c = 0;
+  for (; c + 8 <= n; c += 8)
+    for (int k = 0; k < 8; ++k) s[k] += acc_t(a[c + k]) * acc_t(b[c + k]);
+  acc_t r = ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+  for (; c < n; ++c) r += acc_t(a[c]) * acc_t(b[c]);
+  return r;
+}
+
+// While edge k is processed, asks the CPU to start loading the row
+// base[idx[k + 8]] of base [rows, row_size] (its first 512 bytes; the
+// hardware prefetcher follows longer rows). A loop that does real work per
+// edge (exp, scores) otherwise stalls on each random row; measured ~30% on
+// attention. No-op without GCC/Clang.
+template <typename index_t, typename T>
+inline void prefetch_ahead(const index_t* idx, int64_t k, int64_t E,
+                           const T* base, int64_t rows, int64_t row_size) {
+#if defined(__GNUC__)
+  constexpr int64_t kAhead = 8;
+  if (k + kAhead >= E) return;
+  const int64_t j = idx[k + kAhead];
+  if (j < 0 || j >= rows) return;
+  const char* p = reinterpret_cast<const char*>(base + j * row_size);
+  const int64_t bytes = std::min<int64_t>(row_size * int64_t(sizeof(T)), 512);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off);
+#endif
+}
+
+// Contiguous copy of an optional tensor, or an undefined tensor.
+inline at::Tensor contiguous_or_undefined(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->contiguous() : at::Tensor();
+}
+
+// Data pointer of a possibly undefined tensor (nullptr when undefined).
+template <typename T>
+inline const T* data_or_null(const at::Tensor& t) {
+  return t.defined() ? t.const_data_ptr<T>() : nullptr;
+}
+
+// Zeroes the positions [0, rowptr[0]) and [rowptr[N], E) of a per-edge
+// output [E, H] made with at::empty: they lie outside every row.
+template <typename index_t>
+inline void zero_outside_rows(at::Tensor& t, const index_t* rowptr, int64_t N) {
+  const int64_t E = t.size(0);
+  const int64_t first = clamp64(rowptr[0], 0, E);
+  const int64_t last = clamp64(rowptr[N], first, E);
+  if (first > 0) t.narrow(0, 0, first).zero_();
+  if (last < E) t.narrow(0, last, E - last).zero_();
+}
+
+}  // namespace cpu
+}  // namespace pyg_fastattn
