@@ -51,7 +51,7 @@ def _row_softmax(rowptr: Tensor, row: Tensor,
     """
     N = rowptr.numel() - 1
     E, H = s.shape
-    idx = row.view(-1, 1).expand(E, H)
+    idx = row.long().view(-1, 1).expand(E, H)  # scatter_reduce needs int64
     m = s.new_full((N + 1, H), float('-inf'))
     m = m.scatter_reduce(0, idx, s.detach(), reduce='amax', include_self=True)
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)

@@ -13,6 +13,8 @@ from pyg_fastattn import FastGATConv, PreparedGraph, prepare, swap_gat
 from pyg_fastattn.nn import cache_info, clear_cache
 from torch_geometric.nn.conv import MessagePassing
 
+from conftest import requires_cuda
+
 TOL = {torch.float64: dict(atol=1e-10, rtol=1e-9),
        torch.float32: dict(atol=2e-5, rtol=1e-4)}
 
@@ -53,12 +55,14 @@ def run(conv, x, edge_index, edge_attr=None, size=None, attention=False):
     res = conv(xs, edge_index, ea, size=size,
                return_attention_weights=True if attention else None)
     out, att = (res if attention else (res, None))
-    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+    w = torch.linspace(-1, 1, out.numel(), dtype=out.dtype,
+                       device=out.device).view_as(out)
     loss = (out * w).sum()
     if att is not None and isinstance(att[1], torch.Tensor):
         alpha = att[1]
-        loss = loss + (alpha * torch.linspace(0, 1, alpha.numel(),
-                                              dtype=alpha.dtype).view_as(alpha)).sum()
+        loss = loss + (alpha * torch.linspace(
+            0, 1, alpha.numel(), dtype=alpha.dtype,
+            device=alpha.device).view_as(alpha)).sum()
     conv.zero_grad(set_to_none=True)
     loss.backward()
     inputs = list(xs) if isinstance(xs, tuple) else [xs]
@@ -111,6 +115,32 @@ def test_parity(backend, dtype, name):
     x = torch.randn(30, 12, dtype=dtype)
     assert_same(run(ref, x, ei, attention=True),
                 run(fast, x, ei, attention=True), dtype)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+@pytest.mark.parametrize('name', list(CONFIGS) + ['edge_dim', 'bipartite'])
+def test_parity_cuda(dtype, name):
+    """The same parity on the GPU (native CUDA kernels)."""
+    kw = dict(CONFIGS.get(name, dict(heads=4)))
+    cin, size, ea = 12, None, None
+    x = torch.randn(30, 12, dtype=dtype)
+    ei = random_graph(30, 30, 160)
+    if name == 'edge_dim':
+        kw['edge_dim'] = 3
+        ea = torch.randn(ei.size(1), 3, dtype=dtype)
+    if name == 'bipartite':  # more destination than source nodes
+        cin, size = (12, 7), (20, 30)
+        x = (torch.randn(20, 12, dtype=dtype), torch.randn(30, 7, dtype=dtype))
+        ei = random_graph(20, 30, 160)
+    ref, fast = make_pair(dtype, cin, 5, **kw)
+    ref, fast = ref.cuda(), fast.cuda()
+    cuda = lambda t: tuple(v.cuda() for v in t) if isinstance(t, tuple) else (
+        None if t is None else t.cuda())
+    x, ei, ea = cuda(x), ei.cuda(), cuda(ea)
+    assert_same(run(ref, x, ei, ea, size=size, attention=True),
+                run(fast, x, ei, ea, size=size, attention=True), dtype)
 
 
 FILLS = ['mean', 'add', 'max', 'min', 'mul', 0.5, 'tensor']

@@ -244,11 +244,14 @@ class FastGATConv(GATConv):
             raise AttributeError("No valid 'fill_value' provided")
         idx = graph.fill_index  # [E]; L = does not count (extra slot)
         if fv in ('add', 'sum', 'mean'):
-            out = ea.new_zeros((L + 1, D)).index_add(0, idx, ea)
-            if fv == 'mean':
-                cnt = ea.new_zeros(L + 1).index_add(0, idx,
-                                                    ea.new_ones(ea.size(0)))
-                out = out / cnt.clamp(min=1).view(-1, 1)
+            # Deterministic (no atomics): sum each CSR row of the kept input
+            # edges; the row's own added loop contributes a zero row.
+            ea_aug = torch.cat([ea, ea.new_zeros((L, D))])
+            out = ops.segment_sum(graph.rowptr, ea_aug, graph.csr_perm)[:L]
+            if fv == 'mean':  # each of the first L rows holds one added loop
+                cnt = (graph.rowptr[1:L + 1] - graph.rowptr[:L] - 1).clamp(min=1)
+                out = out / cnt.to(ea.dtype).view(-1, 1)
+            return out
         elif fv in ('max', 'min', 'amax', 'amin'):
             out = ea.new_zeros((L + 1, D)).scatter_reduce(
                 0, idx.view(-1, 1).expand_as(ea), ea, f'a{fv[-3:]}',

@@ -7,10 +7,10 @@ from .attention import attention, softmax_aggregate
 from .csr import CSC, csr_to_csc
 from .edge_softmax import edge_softmax
 from .sddmm import sddmm
-from .spmm import spmm
+from .spmm import segment_sum, spmm
 from ._checks import check_csr
 
 __all__ = [
     'edge_softmax', 'softmax_aggregate', 'spmm', 'sddmm', 'attention',
-    'csr_to_csc', 'CSC', 'check_csr'
+    'csr_to_csc', 'CSC', 'check_csr', 'segment_sum'
 ]

@@ -71,3 +71,33 @@ def spmm(rowptr: Tensor, col: Tensor, weights: Optional[Tensor], values: Tensor,
                              f'has {v.size(1)}')
     out = SpMM.apply(rowptr, col, *(csc or (None, ) * 3), w, v)
     return out.squeeze(1) if squeeze else out
+
+
+class SegmentSum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rowptr, perm, src):
+        ctx.save_for_backward(rowptr, perm)
+        ctx.num_src = src.size(0)
+        return _build.backend_for(src.device).segment_sum(rowptr, perm, src)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        rowptr, perm = ctx.saved_tensors
+        n = perm.numel() if perm is not None else ctx.num_src
+        row = rows_of(rowptr, n).long()  # N outside every row: gets 0
+        g = torch.cat([grad_out, grad_out.new_zeros((1, grad_out.size(1)))])[row]
+        if perm is not None:  # a permutation: plain writes, deterministic
+            g = g.new_zeros((ctx.num_src, g.size(1))).index_put_((perm.long(), ), g)
+        return None, None, g
+
+
+def segment_sum(rowptr: Tensor, src: Tensor,
+                perm: Optional[Tensor] = None) -> Tensor:
+    r"""Deterministic per-row sum: ``out[i] = sum_{k in row i} src[perm[k]]``
+    (``src[k]`` without ``perm``). ``src`` [E, F] -> [N, F]. Differentiable in
+    ``src``; ``perm`` must be a permutation (each source read once)."""
+    if perm is not None and perm.dtype != rowptr.dtype:
+        perm = perm.to(rowptr.dtype)
+    if src.device.type == 'cpu' and src.dtype in (torch.float16, torch.bfloat16):
+        return SegmentSum.apply(rowptr, perm, src.float()).to(src.dtype)
+    return SegmentSum.apply(rowptr, perm, src)

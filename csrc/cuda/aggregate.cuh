@@ -1,0 +1,251 @@
+// Warp-per-row weighted aggregation shared by spmm, segment_sum and the
+// attention forward:  out[i, h, :] = sum_{e in row i} w(e, h) * values[j_e, h, :].
+// The weight functor supplies w (1, weight[e], weight[perm[e]], or the
+// attention probability alpha * mask).
+#pragma once
+
+#include "utils.cuh"
+
+namespace pyg_fastattn {
+namespace cuda {
+
+// Edges whose loads a lane keeps in flight per iteration (about 4-8 vector
+// loads; fewer for 4 heads per lane of wide vectors or doubles, register
+// bound).
+template <int KHQ, int V, typename scalar_t> constexpr int edge_batch() {
+  return KHQ == 1 ? 4 : ((V >= 8 || sizeof(scalar_t) == 8) ? 1 : 2);
+}
+
+// What one lane of a (row, tile) warp owns, decoded from TileLayout (see
+// utils.cuh): heads h[kh] = h0 + hs + HS * kh and, of each, the unit at
+// element offset uoff[kh] inside a node's [H, C] row.
+template <int KHQ>
+struct LaneTile {
+  int cl, hs, es;  // lane bit fields
+  int LH, HS, ES;
+  int64_t row;     // the warp's row (may be >= N: nothing to do)
+  int ct;          // channel tile
+  int h[KHQ];
+  bool hok[KHQ];   // head inside the tile
+  bool uok[KHQ];   // head inside the tile and unit inside the head
+  int64_t uoff[KHQ];
+};
+
+// The kernels' grid is (row blocks, tiles): warp w of block (bx, t) handles
+// row bx * kWarpsPerBlock + w and tile t.
+template <int KHQ>
+__device__ __forceinline__ LaneTile<KHQ> decode_tile(const TileLayout& L,
+                                                     int V, int64_t row,
+                                                     int t, int lane) {
+  LaneTile<KHQ> T;
+  T.LH = 1 << L.lh_log;
+  T.HS = 1 << L.hs_log;
+  T.ES = kWarp >> (L.lh_log + L.hs_log);
+  T.cl = lane & (T.LH - 1);
+  T.hs = (lane >> L.lh_log) & (T.HS - 1);
+  T.es = lane >> (L.lh_log + L.hs_log);
+  T.row = row;
+  const int ht = t / L.n_ct;
+  T.ct = t - ht * L.n_ct;
+  const int h0 = ht * L.HT;
+  const int hend = min(L.H, h0 + L.HT);
+  const int c = T.ct * 32 + T.cl;
+#pragma unroll
+  for (int kh = 0; kh < KHQ; ++kh) {
+    T.h[kh] = h0 + T.hs + T.HS * kh;
+    T.hok[kh] = T.h[kh] < hend;
+    T.uok[kh] = T.hok[kh] && c < L.CU;
+    T.uoff[kh] = static_cast<int64_t>(T.h[kh]) * L.C +
+                 static_cast<int64_t>(c) * V;
+  }
+  return T;
+}
+
+__device__ __forceinline__ int64_t block_row() {
+  return static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + (threadIdx.x >> 5);
+}
+
+// Pass over the row's edges: lane (es, hs, cl) of warp `rank` (of `nranks`
+// warps sharing the row, 1 unless the row is long) takes edges
+// start + rank*ES + es + k * nranks*ES and, for each, loads its units of
+// values[j] (16-byte loads when V > 1; EB edges' loads in flight) and
+// accumulates w * values into acc. col == nullptr means j = e. Edges with j
+// outside [0, Ns) or rejected by fn.edge contribute nothing.
+template <int V, int KHQ, typename scalar_t, typename index_t, typename Fn>
+__device__ __forceinline__ void gather_accumulate(
+    const LaneTile<KHQ>& T, int rank, int nranks, int64_t start, int64_t end,
+    const index_t* __restrict__ col, int64_t Ns, int64_t D,
+    const scalar_t* __restrict__ values, const Fn& fn,
+    acc_t<scalar_t> (&acc)[KHQ][V]) {
+  using A = acc_t<scalar_t>;
+  constexpr int EB = edge_batch<KHQ, V, scalar_t>();
+  const int64_t stride = static_cast<int64_t>(T.ES) * nranks;
+  const int64_t first = start + static_cast<int64_t>(rank) * T.ES + T.es;
+  for (int64_t e0 = first; e0 < end; e0 += stride * EB) {
+    int64_t e[EB], j[EB], aux[EB];
+    bool ok[EB];
+#pragma unroll
+    for (int b = 0; b < EB; ++b) {
+      e[b] = e0 + b * stride;
+      ok[b] = e[b] < end;
+      j[b] = 0;
+      aux[b] = 0;
+      if (ok[b]) {
+        j[b] = col != nullptr ? static_cast<int64_t>(col[e[b]]) : e[b];
+        ok[b] = j[b] >= 0 && j[b] < Ns && fn.edge(e[b], aux[b]);
+      }
+    }
+    Vec<scalar_t, V> raw[EB][KHQ];
+#pragma unroll
+    for (int b = 0; b < EB; ++b)
+#pragma unroll
+      for (int kh = 0; kh < KHQ; ++kh)
+        raw[b][kh] = (ok[b] && T.uok[kh])
+                         ? load_vec<scalar_t, V>(values + j[b] * D + T.uoff[kh])
+                         : zero_vec<scalar_t, V>();
+#pragma unroll
+    for (int b = 0; b < EB; ++b) {
+      if (!ok[b]) continue;
+#pragma unroll
+      for (int kh = 0; kh < KHQ; ++kh) {
+        if (!T.uok[kh]) continue;
+        const A wgt = fn.weight(e[b], j[b], aux[b], kh);
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc[kh][v] += wgt * vec_get(raw[b][kh], v);
+      }
+    }
+  }
+}
+
+// Sum acc over the edge slots (lane bits [LH*HS, 32)); every lane ends with
+// its (hs, cl) total.
+template <int V, int KHQ, typename A>
+__device__ __forceinline__ void reduce_edge_slots(const LaneTile<KHQ>& T,
+                                                  A (&acc)[KHQ][V]) {
+  for (int off = T.LH * T.HS; off < kWarp; off <<= 1) {
+#pragma unroll
+    for (int kh = 0; kh < KHQ; ++kh)
+#pragma unroll
+      for (int v = 0; v < V; ++v)
+        acc[kh][v] += __shfl_xor_sync(kFullMask, acc[kh][v], off);
+  }
+}
+
+// Block-cooperative rows: sum acc over the nranks warps of the block (fixed
+// order: deterministic); rank 0 ends with the total. s_red holds
+// kWarpsPerBlock * 32 * KHQ * V values. All threads of the block call it.
+template <int V, int KHQ, typename A>
+__device__ __forceinline__ void block_sum(A (&acc)[KHQ][V], A* s_red, int rank,
+                                          int nranks) {
+  constexpr int Q = KHQ * V;
+  const int lane = lane_id();
+#pragma unroll
+  for (int kh = 0; kh < KHQ; ++kh)
+#pragma unroll
+    for (int v = 0; v < V; ++v) s_red[(rank * kWarp + lane) * Q + kh * V + v] = acc[kh][v];
+  __syncthreads();
+  if (rank == 0) {
+    for (int r = 1; r < nranks; ++r) {
+#pragma unroll
+      for (int kh = 0; kh < KHQ; ++kh)
+#pragma unroll
+        for (int v = 0; v < V; ++v)
+          acc[kh][v] += s_red[(r * kWarp + lane) * Q + kh * V + v];
+    }
+  }
+  __syncthreads();
+}
+
+// Edge slot 0 stores the row's units: out_row = out + i * D.
+template <int V, int KHQ, typename scalar_t>
+__device__ __forceinline__ void store_units(const LaneTile<KHQ>& T,
+                                            const acc_t<scalar_t> (&acc)[KHQ][V],
+                                            scalar_t* __restrict__ out_row) {
+  if (T.es != 0) return;
+#pragma unroll
+  for (int kh = 0; kh < KHQ; ++kh) {
+    if (!T.uok[kh]) continue;
+    Vec<scalar_t, V> o = zero_vec<scalar_t, V>();
+#pragma unroll
+    for (int v = 0; v < V; ++v) vec_set(o, v, acc[kh][v]);
+    store_vec<scalar_t, V>(out_row + T.uoff[kh], o);
+  }
+}
+
+// Rows with more edges than this are processed by all warps of a block
+// together (a 10^6-edge row would otherwise keep one warp busy for long).
+constexpr int64_t kCoopEdges = 256;
+
+// Work scheduling for the row kernels: each warp owns one row (of the
+// block's tile blockIdx.y). Rows with more than kCoopEdges edges are first
+// processed one after the other by the whole block (body(row, rank = warp in
+// block, nranks = kWarpsPerBlock)); then every warp processes its own short
+// row (body(row, 0, 1)). One call site, so body is inlined once. body may
+// call __syncthreads() only when nranks > 1 (block-uniform).
+template <typename index_t, typename Body>
+__device__ __forceinline__ void run_rows(const index_t* __restrict__ rowptr,
+                                         int64_t N, int64_t E,
+                                         int64_t* s_long, Body&& body) {
+  const int64_t item = block_row();
+  const bool valid = item < N;
+  bool is_long = false;
+  if (valid) {
+    int64_t s0, s1;
+    row_range(rowptr, item, E, s0, s1);
+    is_long = s1 - s0 > kCoopEdges;
+  }
+  const int wib = threadIdx.x >> 5;
+  if (lane_id() == 0) s_long[wib] = (valid && is_long) ? item : -1;
+  __syncthreads();
+  int k = 0;
+  bool own = valid && !is_long;
+  while (true) {
+    while (k < kWarpsPerBlock && s_long[k] < 0) ++k;  // block-uniform
+    int64_t it;
+    int rank, nranks;
+    if (k < kWarpsPerBlock) {
+      it = s_long[k];
+      rank = wib;
+      nranks = kWarpsPerBlock;
+      ++k;
+    } else if (own) {
+      it = item;
+      rank = 0;
+      nranks = 1;
+      own = false;
+    } else {
+      break;
+    }
+    body(it, rank, nranks);
+  }
+}
+
+template <int V, int KHQ, typename A>
+__device__ __forceinline__ void zero_acc(A (&acc)[KHQ][V]) {
+#pragma unroll
+  for (int kh = 0; kh < KHQ; ++kh)
+#pragma unroll
+    for (int v = 0; v < V; ++v) acc[kh][v] = A(0);
+}
+
+// Host: launch kernel<V, KHQ> for the layout's (V, khq), V being the 16-byte
+// width or 1. `f` is a generic lambda taking (std::integral_constant V,
+// std::integral_constant KHQ).
+template <typename scalar_t, typename F>
+inline void dispatch_vk(bool vec, int khq, F&& f) {
+  constexpr int VW = vec_width<scalar_t>();
+  if (vec) {
+    if (khq == 1)
+      f(std::integral_constant<int, VW>(), std::integral_constant<int, 1>());
+    else
+      f(std::integral_constant<int, VW>(), std::integral_constant<int, 4>());
+  } else {
+    if (khq == 1)
+      f(std::integral_constant<int, 1>(), std::integral_constant<int, 1>());
+    else
+      f(std::integral_constant<int, 1>(), std::integral_constant<int, 4>());
+  }
+}
+
+}  // namespace cuda
+}  // namespace pyg_fastattn

@@ -1,0 +1,488 @@
+// attention / attention_backward on CUDA: fused GAT score, row softmax and
+// aggregation (forward) and the per-edge gradients (backward).
+#include "aggregate.cuh"
+
+namespace pyg_fastattn {
+namespace cuda {
+namespace {
+
+template <typename scalar_t, typename index_t>
+struct AttnArgs {
+  const index_t* rowptr;
+  const index_t* col;
+  const scalar_t* a_src;   // [Ns, H] or nullptr
+  const scalar_t* a_dst;   // [N, H] or nullptr
+  const scalar_t* a_edge;  // [E, H] or nullptr
+  const scalar_t* mask;    // [E, H] or nullptr
+  const scalar_t* values;  // [Ns, H, C]
+  // forward outputs
+  scalar_t* out;               // [N, H, C]
+  acc_t<scalar_t>* lse_out;    // [N, H]
+  // backward inputs / outputs
+  const scalar_t* fout;        // forward out [N, H, C]
+  const acc_t<scalar_t>* lse;  // [N, H]
+  const scalar_t* grad_out;    // [N, H, C]
+  scalar_t* p;                 // [E, H]
+  scalar_t* gz;                // [E, H]
+  int64_t N, E, Ns;
+  acc_t<scalar_t> slope;
+};
+
+// z = a_src[j, h] + a_dst[i, h] + a_edge[e, h] (absent terms 0; adst is the
+// row's a_dst value or 0), in the reference's order.
+template <typename scalar_t, typename A>
+__device__ __forceinline__ A attn_z(const scalar_t* __restrict__ a_src,
+                                    const scalar_t* __restrict__ a_edge,
+                                    int H, int64_t e, int64_t j, int h,
+                                    A adst) {
+  A z = A(0);
+  if (a_src != nullptr) z += to_acc(a_src[j * H + h]);
+  z += adst;
+  if (a_edge != nullptr) z += to_acc(a_edge[e * H + h]);
+  return z;
+}
+
+// Forward edge weight: p = softmax(s)[e, h] * mask[e, h].
+template <typename scalar_t, int KHQ>
+struct AttnFwdWeight {
+  using A = acc_t<scalar_t>;
+  const scalar_t* __restrict__ a_src;
+  const scalar_t* __restrict__ a_edge;
+  const scalar_t* __restrict__ mask;
+  int H;
+  A slope;
+  int h[KHQ];
+  A adst[KHQ], m[KHQ], s[KHQ], inv[KHQ];
+  __device__ __forceinline__ bool edge(int64_t, int64_t&) const { return true; }
+  __device__ __forceinline__ A weight(int64_t e, int64_t j, int64_t,
+                                      int kh) const {
+    const A x = leaky(attn_z(a_src, a_edge, H, e, j, h[kh], adst[kh]), slope);
+    A al = softmax_weight(x, m[kh], s[kh], inv[kh]);
+    if (mask != nullptr) al *= to_acc(mask[e * H + h[kh]]);
+    return al;
+  }
+};
+
+// One warp per (row, feature tile) (TileLayout: lane = (es, hs, cl), a lane
+// owns heads hs + HS*kh and unit cl of each).
+// Pass 1: per-head online max / sum of the scores; for each of its heads a
+//   lane takes edges (es * LH + cl) + ES*LH*k, so the row's (edge, head)
+//   pairs are split over all 32 lanes; merged over the cl and es lane bits.
+// Pass 2: gather_accumulate (aggregate.cuh) with w = alpha * mask: lane
+//   (es, hs, cl) walks edges es + ES*k and accumulates its 16-byte unit of
+//   values[col[e]] for each of its heads; the ES edge slots are summed with
+//   shuffles. Channel tile 0 also writes lse.
+// Rows with more than kCoopEdges edges are shared by the 8 warps of the
+// block: edges interleaved over the warps, statistics and partial sums
+// combined in shared memory in a fixed order.
+template <typename scalar_t, typename index_t, int V, int KHQ>
+__global__ void __launch_bounds__(kBlock)
+    attention_fwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
+  using A = acc_t<scalar_t>;
+  constexpr int U = KHQ == 1 ? 4 : 2;  // pass-1 edges in flight per lane
+  __shared__ int64_t s_long[kWarpsPerBlock];
+  __shared__ A s_m[kWarpsPerBlock * kWarp * KHQ];
+  __shared__ A s_s[kWarpsPerBlock * kWarp * KHQ];
+  __shared__ A s_red[kWarpsPerBlock * kWarp * KHQ * V];
+  const int H = L.H;
+  const int64_t D = static_cast<int64_t>(H) * L.C;
+  const int lane = lane_id();
+  run_rows(a.rowptr, a.N, a.E, s_long, [&](int64_t row, int rank, int nranks) {
+    const LaneTile<KHQ> T =
+        decode_tile<KHQ>(L, V, row, static_cast<int>(blockIdx.y), lane);
+    const int64_t i = T.row;
+    int64_t start, end;
+    row_range(a.rowptr, i, a.E, start, end);
+
+    AttnFwdWeight<scalar_t, KHQ> fn;
+    fn.a_src = a.a_src;
+    fn.a_edge = a.a_edge;
+    fn.mask = a.mask;
+    fn.H = H;
+    fn.slope = a.slope;
+#pragma unroll
+    for (int kh = 0; kh < KHQ; ++kh) {
+      fn.h[kh] = T.h[kh];
+      fn.adst[kh] = (a.a_dst != nullptr && T.hok[kh])
+                        ? to_acc(a.a_dst[i * H + T.h[kh]])
+                        : A(0);
+      fn.m[kh] = neg_inf<A>();
+      fn.s[kh] = A(0);
+    }
+
+    // ---- pass 1
+    const int64_t nslots = static_cast<int64_t>(T.ES) * T.LH;
+    const int64_t stride = nslots * nranks;
+    const int64_t first = start + rank * nslots + T.es * T.LH + T.cl;
+    for (int64_t e0 = first; e0 < end; e0 += stride * U) {
+      int64_t e[U], j[U];
+      bool ok[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        e[u] = e0 + u * stride;
+        ok[u] = e[u] < end;
+        j[u] = ok[u] ? static_cast<int64_t>(a.col[e[u]]) : 0;
+        ok[u] = ok[u] && j[u] >= 0 && j[u] < a.Ns;
+      }
+      A x[U][KHQ];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int kh = 0; kh < KHQ; ++kh)
+          x[u][kh] = (ok[u] && T.hok[kh])
+                         ? leaky(attn_z(a.a_src, a.a_edge, H, e[u], j[u],
+                                        T.h[kh], fn.adst[kh]),
+                                 a.slope)
+                         : neg_inf<A>();
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int kh = 0; kh < KHQ; ++kh)
+          online_add(fn.m[kh], fn.s[kh], x[u][kh]);
+    }
+    for (int off = 1; off < kWarp; off <<= 1) {
+      if (off < T.LH || off >= T.LH * T.HS) {  // cl and es bits
+#pragma unroll
+        for (int kh = 0; kh < KHQ; ++kh) {
+          const A m2 = __shfl_xor_sync(kFullMask, fn.m[kh], off);
+          const A s2 = __shfl_xor_sync(kFullMask, fn.s[kh], off);
+          online_merge(fn.m[kh], fn.s[kh], m2, s2);
+        }
+      }
+    }
+    if (nranks > 1) {  // merge over the block's warps, same order everywhere
+#pragma unroll
+      for (int kh = 0; kh < KHQ; ++kh) {
+        s_m[(rank * kWarp + lane) * KHQ + kh] = fn.m[kh];
+        s_s[(rank * kWarp + lane) * KHQ + kh] = fn.s[kh];
+      }
+      __syncthreads();
+#pragma unroll
+      for (int kh = 0; kh < KHQ; ++kh) {
+        fn.m[kh] = s_m[lane * KHQ + kh];
+        fn.s[kh] = s_s[lane * KHQ + kh];
+        for (int r = 1; r < nranks; ++r)
+          online_merge(fn.m[kh], fn.s[kh], s_m[(r * kWarp + lane) * KHQ + kh],
+                       s_s[(r * kWarp + lane) * KHQ + kh]);
+      }
+      __syncthreads();
+    }
+#pragma unroll
+    for (int kh = 0; kh < KHQ; ++kh) {
+      online_finish(fn.m[kh], fn.s[kh]);
+      fn.inv[kh] = fast_recip(fn.s[kh]);
+      if (rank == 0 && T.ct == 0 && T.es == 0 && T.cl == 0 && T.hok[kh])
+        a.lse_out[i * H + T.h[kh]] = softmax_lse(fn.m[kh], fn.s[kh]);
+    }
+
+    // ---- pass 2
+    A acc[KHQ][V];
+    zero_acc<V, KHQ>(acc);
+    gather_accumulate<V, KHQ>(T, rank, nranks, start, end, a.col, a.Ns, D,
+                              a.values, fn, acc);
+    reduce_edge_slots<V, KHQ>(T, acc);
+    if (nranks > 1) block_sum<V, KHQ>(acc, s_red, rank, nranks);
+    if (rank == 0) store_units<V, KHQ>(T, acc, a.out + i * D);
+  });
+}
+
+// One warp per (row, head tile), same lane layout (whole heads per warp;
+// heads with more than 32 units have each lane walk units cl + 32*kc).
+// Per row: the lane's units of grad_out[i] are kept in registers and
+// delta_h = <grad_out[i,h], out[i,h]> is reduced over the cl lanes. Then
+// lane (es, hs, cl) walks edges es + ES*k (EB in flight), forms its partial
+// <grad_out[i,h], values[j,h]>, reduces it over the head's LH lanes and
+// lane cl == 0 writes p[e,h] and grad_z[e,h]. Rows with more than
+// kCoopEdges edges are shared by the 8 warps of the block (edge batches
+// interleaved; no reduction needed). Finally all threads zero the per-edge
+// outputs at e >= rowptr[N] (grid-stride).
+template <typename scalar_t, typename index_t, int V, int KHQ>
+__global__ void __launch_bounds__(kBlock)
+    attention_bwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
+  using A = acc_t<scalar_t>;
+  constexpr int EB = edge_batch<KHQ, V, scalar_t>();
+  __shared__ int64_t s_long[kWarpsPerBlock];
+  const int H = L.H;
+  const int64_t D = static_cast<int64_t>(H) * L.C;
+  const int64_t tail = tail_begin(a.rowptr, a.N, a.E);  // used at the end
+  run_rows(a.rowptr, a.N, a.E, s_long, [&](int64_t row, int rank, int nranks) {
+    const LaneTile<KHQ> T =
+        decode_tile<KHQ>(L, V, row, static_cast<int>(blockIdx.y), lane_id());
+    const int64_t i = T.row;
+    int64_t start, end;
+    row_range(a.rowptr, i, a.E, start, end);
+    const scalar_t* __restrict__ go_row = a.grad_out + i * D;
+    const scalar_t* __restrict__ out_row = a.fout + i * D;
+
+    // Edge batches of ES*EB edges, interleaved over the nranks warps. Each
+    // batch's column indices are loaded at the end of the previous iteration
+    // (the first batch's together with the row's grad_out / out units).
+    const int64_t batch = static_cast<int64_t>(T.ES) * EB;
+    const int64_t step = batch * nranks;
+    int64_t jn[EB];
+    bool okn[EB];
+    auto load_cols = [&](int64_t base) {
+#pragma unroll
+      for (int b = 0; b < EB; ++b) {
+        const int64_t ee = base + static_cast<int64_t>(b) * T.ES + T.es;
+        okn[b] = ee < end;
+        jn[b] = okn[b] ? static_cast<int64_t>(a.col[ee]) : 0;
+      }
+    };
+    load_cols(start + rank * batch);
+
+    A adst[KHQ], lse[KHQ], delta[KHQ], go[KHQ][V];
+    bool fin[KHQ];
+#pragma unroll
+    for (int kh = 0; kh < KHQ; ++kh) {
+      adst[kh] = (a.a_dst != nullptr && T.hok[kh])
+                     ? to_acc(a.a_dst[i * H + T.h[kh]])
+                     : A(0);
+      lse[kh] = T.hok[kh] ? a.lse[i * H + T.h[kh]] : A(0);
+      fin[kh] = is_finite(lse[kh]);
+      A d = A(0);
+      if (T.uok[kh]) {
+        const Vec<scalar_t, V> g = load_vec<scalar_t, V>(go_row + T.uoff[kh]);
+        const Vec<scalar_t, V> o = load_vec<scalar_t, V>(out_row + T.uoff[kh]);
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          go[kh][v] = vec_get(g, v);
+          d += go[kh][v] * vec_get(o, v);
+        }
+      } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) go[kh][v] = A(0);
+      }
+      delta[kh] = d;
+    }
+    // Streaming mode (KHQ == 1): units beyond the first 32 of the head.
+    for (int kc = 1; kc < L.KC; ++kc) {
+      const int c = T.cl + 32 * kc;
+      if (c < L.CU && T.hok[0]) {
+        const int64_t off = static_cast<int64_t>(T.h[0]) * L.C +
+                            static_cast<int64_t>(c) * V;
+        const Vec<scalar_t, V> g = load_vec<scalar_t, V>(go_row + off);
+        const Vec<scalar_t, V> o = load_vec<scalar_t, V>(out_row + off);
+#pragma unroll
+        for (int v = 0; v < V; ++v) delta[0] += vec_get(g, v) * vec_get(o, v);
+      }
+    }
+#pragma unroll
+    for (int kh = 0; kh < KHQ; ++kh) delta[kh] = xor_sum(delta[kh], 1, T.LH);
+
+    // The trip count is uniform over the warp (shuffles inside).
+    for (int64_t e0 = start + rank * batch; e0 < end; e0 += step) {
+      int64_t e[EB], j[EB];
+      bool ok[EB], okj[EB];
+#pragma unroll
+      for (int b = 0; b < EB; ++b) {
+        e[b] = e0 + static_cast<int64_t>(b) * T.ES + T.es;
+        ok[b] = okn[b];
+        j[b] = jn[b];
+        okj[b] = ok[b] && j[b] >= 0 && j[b] < a.Ns;
+      }
+      Vec<scalar_t, V> raw[EB][KHQ];
+#pragma unroll
+      for (int b = 0; b < EB; ++b)
+#pragma unroll
+        for (int kh = 0; kh < KHQ; ++kh)
+          raw[b][kh] =
+              (okj[b] && T.uok[kh])
+                  ? load_vec<scalar_t, V>(a.values + j[b] * D + T.uoff[kh])
+                  : zero_vec<scalar_t, V>();
+      A dot[EB][KHQ];
+#pragma unroll
+      for (int b = 0; b < EB; ++b)
+#pragma unroll
+        for (int kh = 0; kh < KHQ; ++kh) {
+          A d = A(0);
+#pragma unroll
+          for (int v = 0; v < V; ++v) d += go[kh][v] * vec_get(raw[b][kh], v);
+          dot[b][kh] = d;
+        }
+      for (int kc = 1; kc < L.KC; ++kc) {  // streaming mode only
+        const int c = T.cl + 32 * kc;
+        if (c < L.CU && T.hok[0]) {
+          const int64_t off = static_cast<int64_t>(T.h[0]) * L.C +
+                              static_cast<int64_t>(c) * V;
+          const Vec<scalar_t, V> g = load_vec<scalar_t, V>(go_row + off);
+#pragma unroll
+          for (int b = 0; b < EB; ++b) {
+            if (!okj[b]) continue;
+            const Vec<scalar_t, V> r =
+                load_vec<scalar_t, V>(a.values + j[b] * D + off);
+#pragma unroll
+            for (int v = 0; v < V; ++v)
+              dot[b][0] += vec_get(g, v) * vec_get(r, v);
+          }
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < EB; ++b)
+#pragma unroll
+        for (int kh = 0; kh < KHQ; ++kh) dot[b][kh] = xor_sum(dot[b][kh], 1, T.LH);
+#pragma unroll
+      for (int b = 0; b < EB; ++b) {
+        if (!ok[b]) continue;
+#pragma unroll
+        for (int kh = 0; kh < KHQ; ++kh) {
+          if (!T.hok[kh]) continue;
+          const int h = T.h[kh];
+          A pv = A(0), gzv = A(0);
+          if (okj[b]) {
+            const A z = attn_z(a.a_src, a.a_edge, H, e[b], j[b], h, adst[kh]);
+            const A sc = leaky(z, a.slope);
+            const A alpha = fin[kh] ? pfa_exp(sc - lse[kh]) : A(0);
+            const A mk =
+                a.mask != nullptr ? to_acc(a.mask[e[b] * H + h]) : A(1);
+            const A gs = alpha * (mk * dot[b][kh] - delta[kh]);
+            gzv = fin[kh] ? (z > A(0) ? gs : gs * a.slope) : A(0);
+            pv = alpha * mk;
+          }
+          if (T.cl == 0) {
+            a.p[e[b] * H + h] = from_acc<scalar_t>(pv);
+            a.gz[e[b] * H + h] = from_acc<scalar_t>(gzv);
+          }
+        }
+      }
+      load_cols(e0 + step);  // next batch
+    }
+  });
+  const int64_t Hh = L.H;
+  zero_from(tail, a.E, Hh, a.p);
+  zero_from(tail, a.E, Hh, a.gz);
+}
+
+inline at::Tensor opt_contig(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->contiguous() : at::Tensor();
+}
+
+template <typename T>
+inline const T* opt_ptr(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<T>() : nullptr;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_cuda(
+    const at::Tensor& rowptr_in, const at::Tensor& col_in,
+    const c10::optional<at::Tensor>& a_src_in,
+    const c10::optional<at::Tensor>& a_dst_in,
+    const c10::optional<at::Tensor>& a_edge_in,
+    const c10::optional<at::Tensor>& mask_in, const at::Tensor& values_in,
+    double negative_slope) {
+  check_attention(rowptr_in, col_in, a_src_in, a_dst_in, a_edge_in, mask_in,
+                  values_in);
+  c10::cuda::CUDAGuard guard(values_in.device());
+  const at::Tensor rowptr = rowptr_in.contiguous();
+  const at::Tensor col = col_in.contiguous();
+  const at::Tensor values = values_in.contiguous();
+  const at::Tensor a_src = opt_contig(a_src_in), a_dst = opt_contig(a_dst_in),
+                   a_edge = opt_contig(a_edge_in), mask = opt_contig(mask_in);
+  const int64_t N = rowptr.numel() - 1;
+  const int64_t H = values.size(1), C = values.size(2);
+  at::Tensor out = at::empty({N, H, C}, values.options());
+  at::Tensor lse = at::empty(
+      {N, H}, values.options().dtype(opmath_type(values.scalar_type())));
+  if (N * H == 0) return {out, lse};
+  PFA_DISPATCH_FLOATS(values.scalar_type(), "attention_cuda", [&] {
+    PFA_DISPATCH_INDEX(rowptr.scalar_type(), "attention_cuda", [&] {
+      using A = acc_t<scalar_t>;
+      AttnArgs<scalar_t, index_t> a{};
+      a.rowptr = rowptr.data_ptr<index_t>();
+      a.col = col.data_ptr<index_t>();
+      a.a_src = opt_ptr<scalar_t>(a_src);
+      a.a_dst = opt_ptr<scalar_t>(a_dst);
+      a.a_edge = opt_ptr<scalar_t>(a_edge);
+      a.mask = opt_ptr<scalar_t>(mask);
+      a.values = values.data_ptr<scalar_t>();
+      a.out = out.data_ptr<scalar_t>();
+      a.lse_out = lse.data_ptr<A>();
+      a.N = N;
+      a.E = col.numel();
+      a.Ns = values.size(0);
+      a.slope = static_cast<A>(negative_slope);
+      constexpr int VW = vec_width<scalar_t>();
+      const bool vec = C % VW == 0 && aligned16(a.values) && aligned16(a.out);
+      const TileLayout L = make_layout(H, C, vec ? VW : 1, true);
+      const dim3 grid = row_grid(N, L.n_tiles);
+      auto stream = at::cuda::getCurrentCUDAStream();
+      dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
+        attention_fwd_kernel<scalar_t, index_t, decltype(v)::value,
+                             decltype(k)::value>
+            <<<grid, kBlock, 0, stream>>>(a, L);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
+  });
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_backward_cuda(
+    const at::Tensor& rowptr_in, const at::Tensor& col_in,
+    const c10::optional<at::Tensor>& a_src_in,
+    const c10::optional<at::Tensor>& a_dst_in,
+    const c10::optional<at::Tensor>& a_edge_in,
+    const c10::optional<at::Tensor>& mask_in, const at::Tensor& values_in,
+    double negative_slope, const at::Tensor& out_in, const at::Tensor& lse_in,
+    const at::Tensor& grad_out_in) {
+  check_attention_backward(rowptr_in, col_in, a_src_in, a_dst_in, a_edge_in,
+                           mask_in, values_in, out_in, lse_in, grad_out_in);
+  c10::cuda::CUDAGuard guard(values_in.device());
+  const at::Tensor rowptr = rowptr_in.contiguous();
+  const at::Tensor col = col_in.contiguous();
+  const at::Tensor values = values_in.contiguous();
+  const at::Tensor fout = out_in.contiguous();
+  const at::Tensor lse = lse_in.contiguous();
+  const at::Tensor grad_out = grad_out_in.contiguous();
+  const at::Tensor a_src = opt_contig(a_src_in), a_dst = opt_contig(a_dst_in),
+                   a_edge = opt_contig(a_edge_in), mask = opt_contig(mask_in);
+  const int64_t N = rowptr.numel() - 1;
+  const int64_t E = col.numel();
+  const int64_t H = values.size(1), C = values.size(2);
+  at::Tensor p = at::empty({E, H}, values.options());
+  at::Tensor gz = at::empty({E, H}, values.options());
+  if (E * H == 0) return {p, gz};
+  PFA_DISPATCH_FLOATS(values.scalar_type(), "attention_backward_cuda", [&] {
+    PFA_DISPATCH_INDEX(rowptr.scalar_type(), "attention_backward_cuda", [&] {
+      using A = acc_t<scalar_t>;
+      AttnArgs<scalar_t, index_t> a{};
+      a.rowptr = rowptr.data_ptr<index_t>();
+      a.col = col.data_ptr<index_t>();
+      a.a_src = opt_ptr<scalar_t>(a_src);
+      a.a_dst = opt_ptr<scalar_t>(a_dst);
+      a.a_edge = opt_ptr<scalar_t>(a_edge);
+      a.mask = opt_ptr<scalar_t>(mask);
+      a.values = values.data_ptr<scalar_t>();
+      a.fout = fout.data_ptr<scalar_t>();
+      a.lse = lse.data_ptr<A>();
+      a.grad_out = grad_out.data_ptr<scalar_t>();
+      a.p = p.data_ptr<scalar_t>();
+      a.gz = gz.data_ptr<scalar_t>();
+      a.N = N;
+      a.E = E;
+      a.Ns = values.size(0);
+      a.slope = static_cast<A>(negative_slope);
+      constexpr int VW = vec_width<scalar_t>();
+      const bool vec = C % VW == 0 && aligned16(a.values) &&
+                       aligned16(a.fout) && aligned16(a.grad_out);
+      const TileLayout L = make_layout(H, C, vec ? VW : 1, false);
+      const dim3 grid = row_grid(N, L.n_tiles, E * H);
+      auto stream = at::cuda::getCurrentCUDAStream();
+      dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
+        attention_bwd_kernel<scalar_t, index_t, decltype(v)::value,
+                             decltype(k)::value>
+            <<<grid, kBlock, 0, stream>>>(a, L);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
+  });
+  return {p, gz};
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace pyg_fastattn
+
+TORCH_LIBRARY_IMPL(pyg_fastattn, CUDA, m) {
+  m.impl("attention", &pyg_fastattn::cuda::attention_cuda);
+  m.impl("attention_backward", &pyg_fastattn::cuda::attention_backward_cuda);
+}

@@ -1,0 +1,294 @@
+// edge_softmax / edge_softmax_backward on CUDA.
+#include "utils.cuh"
+
+namespace pyg_fastattn {
+namespace cuda {
+namespace {
+
+// Pass-1 loads in flight per lane (the host sizes the lane groups so that an
+// average row needs one such batch).
+template <bool kBwd, typename scalar_t> constexpr int unroll() {
+  return (kBwd || sizeof(scalar_t) == 8) ? 8 : 16;
+}
+// Row size (elements) above which a warp of small groups processes its rows
+// one by one with all 32 lanes instead: a group walking a row of more than
+// 32 batches' worth of elements would take longer than the full warp walking
+// all R rows of the warp.
+template <bool kBwd, typename scalar_t> constexpr int64_t long_row_elems() {
+  return static_cast<int64_t>(kWarp) * unroll<kBwd, scalar_t>();
+}
+// Row size (elements) above which all 8 warps of the block process the row
+// together (power-law rows).
+constexpr int64_t kCoopRow = 8192;
+
+template <typename scalar_t, typename index_t>
+struct SoftmaxArgs {
+  const index_t* rowptr;
+  const scalar_t* x;   // scores (forward) or out (backward), [E, H]
+  const scalar_t* g;   // grad_out (backward only), [E, H]
+  scalar_t* out;       // [E, H]
+  int64_t N, E;
+  int H;
+  int hs_log;          // HS = 2^hs_log head slots per group
+};
+
+template <typename scalar_t, typename index_t>
+__device__ __forceinline__ int64_t row_elems(
+    const SoftmaxArgs<scalar_t, index_t>& a, int64_t i) {
+  int64_t s, t;
+  row_range(a.rowptr, i, a.E, s, t);
+  return (t - s) * a.H;
+}
+
+// One row handled by a group of GS = 2^gs_log lanes (gl = lane in group,
+// gmask = the group's lanes) of warp `rank` out of `nranks` warps sharing
+// the row (nranks = 8 for block-cooperative rows, else 1). Lane
+// gl = es * HS + hs owns head h0 + hs and edges (rank*ES + es) + k*nranks*ES;
+// with HS == H (H dividing 32) this reads the row's [deg, H] block flat and
+// coalesced: lane gl reads flat elements gl + GS*k. Cross-warp statistics go
+// through shared memory (s_a, s_b: kWarpsPerBlock * 32 values each).
+template <bool kBwd, typename scalar_t, typename index_t>
+__device__ __forceinline__ void softmax_row(
+    const SoftmaxArgs<scalar_t, index_t>& a, int64_t i, int gl, int gs_log,
+    unsigned gmask, int rank, int nranks, acc_t<scalar_t>* s_a,
+    acc_t<scalar_t>* s_b) {
+  using A = acc_t<scalar_t>;
+  int64_t start, end;
+  row_range(a.rowptr, i, a.E, start, end);
+  const int64_t deg = end - start;
+  const int H = a.H;
+  const int HS = 1 << a.hs_log;
+  const int GS = 1 << gs_log;
+  const int ES = GS >> a.hs_log;
+  const int hs = gl & (HS - 1);
+  const int es = gl >> a.hs_log;
+  const int64_t first = static_cast<int64_t>(rank) * ES + es;
+  const int64_t stride = static_cast<int64_t>(nranks) * ES;
+  const int sl = rank * kWarp + gl;  // shared-memory slot (coop rows only)
+  constexpr int kUnroll = unroll<kBwd, scalar_t>();
+  for (int h0 = 0; h0 < H; h0 += HS) {  // more than one round only if H > 32
+    const int h = h0 + hs;
+    const bool hok = h < H;
+    const int64_t base = start * H + h;
+    const scalar_t* __restrict__ x = a.x + base;
+    scalar_t* __restrict__ out = a.out + base;
+    if (!kBwd) {
+      // pass 1: online max / sum of this lane's entries, then across the
+      // lanes that share the head (bits [HS, GS) of the lane id).
+      A m = neg_inf<A>(), s = A(0);
+      for (int64_t k = first; k < deg; k += stride * kUnroll) {
+        A v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t e = k + u * stride;
+          v[u] = (hok && e < deg) ? to_acc(x[e * H]) : neg_inf<A>();
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) online_add(m, s, v[u]);
+      }
+      for (int off = HS; off < GS; off <<= 1) {
+        const A m2 = __shfl_xor_sync(gmask, m, off);
+        const A s2 = __shfl_xor_sync(gmask, s, off);
+        online_merge(m, s, m2, s2);
+      }
+      if (nranks > 1) {
+        s_a[sl] = m;
+        s_b[sl] = s;
+        __syncthreads();
+        m = s_a[gl];
+        s = s_b[gl];
+        for (int r = 1; r < nranks; ++r)
+          online_merge(m, s, s_a[r * kWarp + gl], s_b[r * kWarp + gl]);
+        __syncthreads();
+      }
+      online_finish(m, s);
+      const A inv = fast_recip(s);
+      // pass 2: the same entries again (L1/L2 hits), normalized.
+      if (hok) {
+#pragma unroll 4
+        for (int64_t e = first; e < deg; e += stride)
+          out[e * H] = from_acc<scalar_t>(
+              softmax_weight(to_acc(x[e * H]), m, s, inv));
+      }
+    } else {
+      const scalar_t* __restrict__ g = a.g + base;
+      // pass 1: d = sum_row out * grad_out for this head.
+      A d = A(0);
+      for (int64_t k = first; k < deg; k += stride * kUnroll) {
+        A y[kUnroll], gg[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int64_t e = k + u * stride;
+          const bool ok = hok && e < deg;
+          y[u] = ok ? to_acc(x[e * H]) : A(0);
+          gg[u] = ok ? to_acc(g[e * H]) : A(0);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) d += y[u] * gg[u];
+      }
+      d = xor_sum(d, HS, GS, gmask);
+      if (nranks > 1) {
+        s_a[sl] = d;
+        __syncthreads();
+        d = s_a[gl];
+        for (int r = 1; r < nranks; ++r) d += s_a[r * kWarp + gl];
+        __syncthreads();
+      }
+      // pass 2: grad = out * (grad_out - d).
+      if (hok) {
+#pragma unroll 4
+        for (int64_t e = first; e < deg; e += stride)
+          out[e * H] =
+              from_acc<scalar_t>(to_acc(x[e * H]) * (to_acc(g[e * H]) - d));
+      }
+    }
+  }
+}
+
+// Rows are handed out R = 32 / GS per warp, GS lanes per row (GS chosen on
+// the host from the average row size, GS >= HS). If any of the warp's rows
+// has more than long_row_elems() elements the warp instead walks its R rows
+// one after the other with all 32 lanes. Rows with more than kCoopRow
+// elements are processed first, one after the other, by all 8 warps of the
+// block (entries interleaved over the warps, statistics merged in shared
+// memory in a fixed order). Finally all threads zero the entries outside
+// every row ([rowptr[N], E)) with a grid-stride loop.
+// Occupancy floor: 4 blocks/SM (<= 64 registers) for 2- and 4-byte types,
+// 3 (<= 80 registers; double exp needs more) for double.
+template <typename scalar_t> constexpr int softmax_min_blocks() {
+  return sizeof(scalar_t) == 8 ? 3 : 4;
+}
+
+template <bool kBwd, typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kBlock, softmax_min_blocks<scalar_t>())
+    edge_softmax_kernel(SoftmaxArgs<scalar_t, index_t> a, int gs_log) {
+  using A = acc_t<scalar_t>;
+  __shared__ int64_t s_coop[kWarpsPerBlock];
+  __shared__ A s_a[kWarpsPerBlock * kWarp];
+  __shared__ A s_b[kWarpsPerBlock * kWarp];
+  const int64_t tail = tail_begin(a.rowptr, a.N, a.E);  // used at the end
+  const int lane = lane_id();
+  const int wib = threadIdx.x >> 5;
+  const int64_t w = global_warp();
+  const int R = kWarp >> gs_log;
+  const int64_t row0 = w * R;
+  const int grp = lane >> gs_log;
+  const int gl = lane & ((1 << gs_log) - 1);
+  const int64_t i = row0 + grp;
+  const bool warp_valid = row0 < a.N;  // uniform over the warp
+  bool long_row = false, coop_any = false;
+  if (warp_valid) {
+    int64_t len = 0;
+    if (i < a.N && gl == 0) len = row_elems(a, i);
+    long_row = __any_sync(kFullMask, len > long_row_elems<kBwd, scalar_t>());
+    coop_any = __any_sync(kFullMask, len > kCoopRow);
+  }
+  if (lane == 0) s_coop[wib] = coop_any ? row0 : -1;
+  __syncthreads();
+  // Work list: first the block's coop rows (all warps, rank = wib), then
+  // this warp's own rows (its group's row, or all R rows if long_row),
+  // skipping coop rows. One call site of softmax_row.
+  const unsigned gmask =
+      R == 1 ? kFullMask : (((1u << (1 << gs_log)) - 1u) << (grp << gs_log));
+  const int n_own = warp_valid ? (long_row ? R : 1) : 0;
+  int k = 0, kr = 0, own = 0;
+  while (true) {
+    int64_t row = -1;
+    bool coop = false;
+    while (k < kWarpsPerBlock) {  // block-uniform search
+      const int64_t r0 = s_coop[k];
+      if (r0 >= 0 && kr < R) {
+        const int64_t cand = r0 + kr;
+        ++kr;
+        if (cand < a.N && row_elems(a, cand) > kCoopRow) {
+          row = cand;
+          coop = true;
+          break;
+        }
+        continue;
+      }
+      ++k;
+      kr = 0;
+    }
+    if (!coop) {
+      if (own >= n_own) break;
+      row = long_row ? row0 + own : i;
+      ++own;
+      if (row >= a.N || (coop_any && row_elems(a, row) > kCoopRow)) continue;
+    }
+    softmax_row<kBwd>(a, row, (coop || long_row) ? lane : gl,
+                      (coop || long_row) ? 5 : gs_log,
+                      (coop || long_row) ? kFullMask : gmask,
+                      coop ? wib : 0, coop ? kWarpsPerBlock : 1, s_a, s_b);
+  }
+  zero_from(tail, a.E, a.H, a.out);
+}
+
+template <bool kBwd>
+at::Tensor launch_edge_softmax(const at::Tensor& rowptr_in,
+                               const at::Tensor& x_in,
+                               const at::Tensor* g_in) {
+  c10::cuda::CUDAGuard guard(x_in.device());
+  const at::Tensor rowptr = rowptr_in.contiguous();
+  const at::Tensor x = x_in.contiguous();
+  at::Tensor g;
+  if (kBwd) g = g_in->contiguous();
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  const int64_t N = rowptr.numel() - 1;
+  const int64_t E = x.size(0);
+  const int64_t H = x.size(1);
+  if (out.numel() == 0) return out;
+  PFA_CHECK(H < (1 << 30), "too many heads");
+  int HS = next_pow2(H);
+  if (HS > 32) HS = 32;
+  const int64_t avg = N > 0 ? ceil_div(E * H, N) : 1;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  PFA_DISPATCH_FLOATS(x.scalar_type(), "edge_softmax_cuda", [&] {
+    // Group size: an average row fills about one batch of pass-1 loads
+    // (unroll() per lane), at least HS lanes.
+    int GS = next_pow2(std::max<int64_t>(
+        1, ceil_div(avg, unroll<kBwd, scalar_t>())));
+    GS = std::min(32, std::max(GS, HS));
+    const int gs_log = log2_pow2(GS);
+    const int64_t warps = ceil_div(N, kWarp / GS);
+    const int64_t blocks = blocks_for(warps, E * H);
+    PFA_DISPATCH_INDEX(rowptr.scalar_type(), "edge_softmax_cuda", [&] {
+      SoftmaxArgs<scalar_t, index_t> a;
+      a.rowptr = rowptr.data_ptr<index_t>();
+      a.x = x.data_ptr<scalar_t>();
+      a.g = kBwd ? g.data_ptr<scalar_t>() : nullptr;
+      a.out = out.data_ptr<scalar_t>();
+      a.N = N;
+      a.E = E;
+      a.H = static_cast<int>(H);
+      a.hs_log = log2_pow2(HS);
+      edge_softmax_kernel<kBwd, scalar_t, index_t>
+          <<<static_cast<unsigned>(blocks), kBlock, 0, stream>>>(a, gs_log);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return out;
+}
+
+at::Tensor edge_softmax_cuda(const at::Tensor& rowptr,
+                             const at::Tensor& scores) {
+  check_edge_softmax(rowptr, scores);
+  return launch_edge_softmax<false>(rowptr, scores, nullptr);
+}
+
+at::Tensor edge_softmax_backward_cuda(const at::Tensor& rowptr,
+                                      const at::Tensor& out,
+                                      const at::Tensor& grad_out) {
+  check_edge_softmax_backward(rowptr, out, grad_out);
+  return launch_edge_softmax<true>(rowptr, out, &grad_out);
+}
+
+}  // namespace
+}  // namespace cuda
+}  // namespace pyg_fastattn
+
+TORCH_LIBRARY_IMPL(pyg_fastattn, CUDA, m) {
+  m.impl("edge_softmax", &pyg_fastattn::cuda::edge_softmax_cuda);
+  m.impl("edge_softmax_backward",
+         &pyg_fastattn::cuda::edge_softmax_backward_cuda);
+}

@@ -1,0 +1,379 @@
+// Shared device helpers for the CUDA kernels: accumulation types, math,
+// warp reductions, 16-byte vector loads, row-range clamping, lane layouts.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include "../common.h"
+
+namespace pyg_fastattn {
+namespace cuda {
+
+constexpr int kWarp = 32;
+constexpr int kBlock = 256;  // threads per block for every kernel
+constexpr int kWarpsPerBlock = kBlock / kWarp;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+// ---------------------------------------------------------------------------
+// Accumulation type and conversions: float for half/bfloat16/float, double
+// for double.
+template <typename T> struct AccType { using type = float; };
+template <> struct AccType<double> { using type = double; };
+template <typename T> using acc_t = typename AccType<T>::type;
+
+template <typename T>
+__device__ __forceinline__ acc_t<T> to_acc(T x) {
+  return static_cast<acc_t<T>>(x);
+}
+template <typename T, typename A>
+__device__ __forceinline__ T from_acc(A x) {
+  return static_cast<T>(x);
+}
+
+__device__ __forceinline__ float pfa_exp(float x) { return expf(x); }
+__device__ __forceinline__ double pfa_exp(double x) { return exp(x); }
+__device__ __forceinline__ float pfa_log(float x) { return logf(x); }
+__device__ __forceinline__ double pfa_log(double x) { return log(x); }
+
+// 1 / x without a call to the IEEE division slow path (x >= 1 where used;
+// 0 / NaN pass through to inf / NaN).
+__device__ __forceinline__ float fast_recip(float x) {
+  return __fdividef(1.0f, x);
+}
+__device__ __forceinline__ double fast_recip(double x) { return 1.0 / x; }
+
+template <typename A> __device__ __forceinline__ A pos_inf() {
+  return static_cast<A>(INFINITY);
+}
+template <typename A> __device__ __forceinline__ A neg_inf() {
+  return -static_cast<A>(INFINITY);
+}
+template <typename A> __device__ __forceinline__ A quiet_nan() {
+  return static_cast<A>(NAN);
+}
+template <typename A> __device__ __forceinline__ bool is_finite(A x) {
+  return x - x == A(0);  // false for +-inf and NaN
+}
+
+// leaky_relu exactly as the reference writes it: z > 0 ? z : z * slope.
+template <typename A>
+__device__ __forceinline__ A leaky(A z, A slope) {
+  return z > A(0) ? z : z * slope;
+}
+
+// ---------------------------------------------------------------------------
+// Online softmax state (running max m, running sum s of exp(x - m)).
+// Semantics match reference._row_softmax:
+//  * -inf entries contribute nothing (also while m is still -inf);
+//  * NaN entries make s NaN, so the whole row becomes NaN;
+//  * a +inf entry makes the row NaN (exp(inf - inf)); see finish().
+template <typename A>
+__device__ __forceinline__ void online_add(A& m, A& s, A x) {
+  if (x > m) {
+    s = s * pfa_exp(m - x) + A(1);
+    m = x;
+  } else if (x != neg_inf<A>()) {
+    s += pfa_exp(x - m);  // NaN x or x == m == +inf give NaN
+  }
+}
+
+template <typename A>
+__device__ __forceinline__ void online_merge(A& m, A& s, A m2, A s2) {
+  const A mx = m > m2 ? m : m2;
+  if (mx == neg_inf<A>()) {
+    s = s + s2;  // both 0, or NaN
+  } else {
+    s = s * pfa_exp(m - mx) + s2 * pfa_exp(m2 - mx);
+  }
+  m = mx;
+}
+
+// After the last merge: a +inf maximum makes the row NaN (as exp(inf - inf)
+// does in the reference).
+template <typename A>
+__device__ __forceinline__ void online_finish(A m, A& s) {
+  if (m == pos_inf<A>()) s = quiet_nan<A>();
+}
+
+// softmax weight of one entry given the finished row state (m, s, 1/s):
+// rows with m == -inf (empty or all -inf) give s, i.e. 0 (or NaN).
+template <typename A>
+__device__ __forceinline__ A softmax_weight(A x, A m, A s, A inv) {
+  return m == neg_inf<A>() ? s : pfa_exp(x - m) * inv;
+}
+
+// log-sum-exp of a finished row state; -inf for empty / all -inf rows.
+template <typename A>
+__device__ __forceinline__ A softmax_lse(A m, A s) {
+  return (m == neg_inf<A>() ? A(0) : m) + pfa_log(s);
+}
+
+// ---------------------------------------------------------------------------
+// Warp reductions over the lanes whose ids differ only in bits [lo, hi)
+// (lo, hi powers of two). All lanes of `mask` must call them.
+template <typename A>
+__device__ __forceinline__ A xor_sum(A v, int lo, int hi,
+                                     unsigned mask = kFullMask) {
+  for (int off = lo; off < hi; off <<= 1) v += __shfl_xor_sync(mask, v, off);
+  return v;
+}
+
+// ---------------------------------------------------------------------------
+// Vectors of V elements, loaded / stored with one instruction (16 bytes when
+// V = 16 / sizeof(T)). Callers guarantee alignment. The storage is raw 32-bit
+// words (16-bit for a single half), so selects and copies stay in registers;
+// get / set convert single elements from / to the accumulation type.
+template <typename T, int V>
+struct Vec {
+  static constexpr int kBytes = static_cast<int>(sizeof(T)) * V;
+  using word_t = typename std::conditional<kBytes % 4 == 0, uint32_t,
+                                           uint16_t>::type;
+  static constexpr int kWords = kBytes / static_cast<int>(sizeof(word_t));
+  alignas(kBytes) word_t w[kWords];
+};
+
+// 16-bit element k of a vector (half / bfloat16 storage).
+template <typename T, int V>
+__device__ __forceinline__ uint16_t vec_u16(const Vec<T, V>& x, int k) {
+  if constexpr (sizeof(typename Vec<T, V>::word_t) == 2) {
+    return x.w[k];
+  } else {
+    return static_cast<uint16_t>(x.w[k >> 1] >> ((k & 1) * 16));
+  }
+}
+template <typename T, int V>
+__device__ __forceinline__ void vec_set_u16(Vec<T, V>& x, int k, uint16_t b) {
+  if constexpr (sizeof(typename Vec<T, V>::word_t) == 2) {
+    x.w[k] = b;
+  } else {
+    const int sh = (k & 1) * 16;
+    x.w[k >> 1] = (x.w[k >> 1] & ~(0xffffu << sh)) | (uint32_t(b) << sh);
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ acc_t<T> vec_get(const Vec<T, V>& x, int k) {
+  if constexpr (std::is_same<T, float>::value) {
+    return __uint_as_float(x.w[k]);
+  } else if constexpr (std::is_same<T, double>::value) {
+    return __hiloint2double(static_cast<int>(x.w[2 * k + 1]),
+                            static_cast<int>(x.w[2 * k]));
+  } else if constexpr (std::is_same<T, c10::BFloat16>::value) {
+    return __uint_as_float(uint32_t(vec_u16(x, k)) << 16);
+  } else {
+    static_assert(std::is_same<T, c10::Half>::value, "unsupported type");
+    return __half2float(__ushort_as_half(vec_u16(x, k)));
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void vec_set(Vec<T, V>& x, int k, acc_t<T> a) {
+  if constexpr (std::is_same<T, float>::value) {
+    x.w[k] = __float_as_uint(a);
+  } else if constexpr (std::is_same<T, double>::value) {
+    x.w[2 * k] = static_cast<uint32_t>(__double2loint(a));
+    x.w[2 * k + 1] = static_cast<uint32_t>(__double2hiint(a));
+  } else {
+    // Same rounding as the c10 conversions (round to nearest even).
+    const T t = static_cast<T>(a);
+    vec_set_u16(x, k, t.x);
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> load_vec(const T* p) {
+  return *reinterpret_cast<const Vec<T, V>*>(p);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T, V>& x) {
+  *reinterpret_cast<Vec<T, V>*>(p) = x;
+}
+
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> zero_vec() {
+  Vec<T, V> x;
+#pragma unroll
+  for (int k = 0; k < Vec<T, V>::kWords; ++k) x.w[k] = 0;
+  return x;
+}
+
+// Elements per 16-byte vector.
+template <typename T> constexpr int vec_width() {
+  return static_cast<int>(16 / sizeof(T));
+}
+
+// ---------------------------------------------------------------------------
+// CSR row range with clamping: start = clamp(rowptr[i], 0, E),
+// end = clamp(rowptr[i + 1], start, E). Bad rowptr can never address outside
+// [0, E).
+template <typename index_t>
+__device__ __forceinline__ void row_range(const index_t* __restrict__ rowptr,
+                                          int64_t i, int64_t E,
+                                          int64_t& start, int64_t& end) {
+  int64_t s = static_cast<int64_t>(rowptr[i]);
+  int64_t t = static_cast<int64_t>(rowptr[i + 1]);
+  s = s < 0 ? 0 : (s > E ? E : s);
+  t = t < s ? s : (t > E ? E : t);
+  start = s;
+  end = t;
+}
+
+// First position outside every row: clamp(rowptr[N], 0, E).
+template <typename index_t>
+__device__ __forceinline__ int64_t tail_begin(const index_t* __restrict__ rowptr,
+                                              int64_t N, int64_t E) {
+  int64_t t = static_cast<int64_t>(rowptr[N]);
+  return t < 0 ? 0 : (t > E ? E : t);
+}
+
+// Zero out[t * W, E * W) (grid-stride over all threads of a 1-D or 2-D
+// grid); t = tail_begin(...), loaded early by the caller so that its latency
+// overlaps the row work.
+template <typename T>
+__device__ __forceinline__ void zero_from(int64_t t, int64_t E, int64_t W,
+                                          T* __restrict__ out) {
+  const int64_t nblocks = static_cast<int64_t>(gridDim.x) * gridDim.y;
+  const int64_t stride = nblocks * blockDim.x;
+  const int64_t b =
+      static_cast<int64_t>(blockIdx.y) * gridDim.x + blockIdx.x;
+  for (int64_t k = t * W + b * blockDim.x + threadIdx.x; k < E * W;
+       k += stride)
+    out[k] = T(0.0f);
+}
+
+__device__ __forceinline__ int64_t global_warp() {
+  return (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >>
+         5;
+}
+__device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
+
+// ---------------------------------------------------------------------------
+// Lane layout for the feature kernels (sddmm, spmm, attention).
+//
+// Node features are rows of H heads x C channels, read in "units" of V
+// elements (V = 16 bytes' worth when aligned, else 1): CU = C / V units per
+// head. A warp's lane id is split into three bit fields
+//     lane = (es * HS + hs) * LH + cl
+// cl: unit within a head (LH = pow2 >= CU, at most 32),
+// hs: head slot (HS heads side by side), es: edge slot (ES = 32/(LH*HS)
+// edges side by side). A lane owns heads h0 + hs + HS * kh (kh < KHQ) and
+// unit c0 + cl of each. When CU > 32 the feature dimension is tiled (LH = 32,
+// one head per tile, 32 units per tile; "channel tiles") or, where a kernel
+// needs whole heads (attention_backward, sddmm), each lane walks units
+// cl + 32 * kc for kc < KC.
+struct TileLayout {
+  int H = 0;       // heads
+  int C = 0;       // channels (elements) per head
+  int CU = 0;      // units per head
+  int lh_log = 0;  // log2 LH
+  int hs_log = 0;  // log2 HS
+  int HT = 1;      // heads per tile
+  int n_ct = 1;    // channel tiles per head tile
+  int n_tiles = 1; // tiles per row: ceil(H / HT) * n_ct
+  int KC = 1;      // unit steps per lane (streaming mode, CU > 32)
+  int khq = 1;     // heads per lane (template choice: 1 or 4)
+};
+
+inline int next_pow2(int64_t x) {
+  int p = 1;
+  while (p < x) p <<= 1;
+  return p;
+}
+inline int log2_pow2(int x) {
+  int l = 0;
+  while ((1 << l) < x) ++l;
+  return l;
+}
+
+// channel_tiles: tile the channels of big heads (forward aggregation) instead
+// of having lanes walk them (KC > 1).
+inline TileLayout make_layout(int64_t H, int64_t C, int V, bool channel_tiles) {
+  TileLayout L;
+  L.H = static_cast<int>(H);
+  L.C = static_cast<int>(C);
+  L.CU = static_cast<int>(C / V);
+  if (L.CU > 32) {
+    L.lh_log = 5;
+    L.hs_log = 0;
+    L.HT = 1;
+    L.khq = 1;
+    const int chunks = static_cast<int>((L.CU + 31) / 32);
+    if (channel_tiles) {
+      L.n_ct = chunks;
+      L.KC = 1;
+    } else {
+      L.n_ct = 1;
+      L.KC = chunks;
+    }
+  } else {
+    const int LH = next_pow2(L.CU < 1 ? 1 : L.CU);
+    int HS = next_pow2(H < 1 ? 1 : H);
+    if (HS > 32 / LH) HS = 32 / LH;
+    L.lh_log = log2_pow2(LH);
+    L.hs_log = log2_pow2(HS);
+    const int64_t KH = (H + HS - 1) / HS;
+    L.khq = KH <= 1 ? 1 : 4;
+    L.HT = static_cast<int>(H < HS * L.khq ? H : HS * L.khq);
+    if (L.HT < 1) L.HT = 1;
+    L.n_ct = 1;
+    L.KC = 1;
+  }
+  L.n_tiles = static_cast<int>((H + L.HT - 1) / L.HT) * L.n_ct;
+  return L;
+}
+
+inline bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+inline int num_sms() {
+  return at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Resident blocks of kBlock threads per SM for `kernel` (at least 1).
+template <typename Kernel>
+inline int blocks_per_sm(Kernel kernel) {
+  int occ = 0;
+  C10_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, kernel, kBlock, 0));
+  return occ > 0 ? occ : 1;
+}
+
+// Blocks for `warps` warps, at least enough to sweep a per-edge tail of
+// `tail_elems` elements with a grid-stride loop reasonably fast.
+inline int64_t blocks_for(int64_t warps, int64_t tail_elems = 0) {
+  int64_t b = ceil_div(warps, kWarpsPerBlock);
+  const int64_t tb = std::min<int64_t>(ceil_div(tail_elems, kBlock * 4),
+                                       static_cast<int64_t>(num_sms()) * 8);
+  b = std::max<int64_t>(b, tb);
+  return std::max<int64_t>(b, 1);
+}
+
+// Grid of the row kernels: x = blocks of kWarpsPerBlock rows (at least enough
+// to sweep a per-edge tail), y = feature tiles.
+inline dim3 row_grid(int64_t N, int n_tiles, int64_t tail_elems = 0) {
+  PFA_CHECK(n_tiles >= 1 && n_tiles <= 65535, "too many feature tiles: ",
+            n_tiles);
+  const int64_t bx = blocks_for(N, tail_elems);
+  PFA_CHECK(bx < (int64_t(1) << 31), "too many rows: ", N);
+  return dim3(static_cast<unsigned>(bx), static_cast<unsigned>(n_tiles));
+}
+
+}  // namespace cuda
+}  // namespace pyg_fastattn
