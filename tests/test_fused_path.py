@@ -156,4 +156,7 @@ def test_softmax_aggregate_reuses_csc(backend, device):
     g2 = torch.autograd.grad(
         ops.softmax_aggregate(rowptr, col, s, v, csc=csc).sum(), [s, v])
     for a, b in zip(g1, g2):
-        assert torch.equal(a, b)
+        if backend == 'reference' and device == 'cuda':  # atomic index_add
+            torch.testing.assert_close(a, b)
+        else:
+            assert torch.equal(a, b)
