@@ -196,6 +196,8 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
     elif measure_memory:
         peak, method = _cpu_step_memory(model, opt, step), \
             'peak live tensor bytes in one training step (dispatch tracker)'
+    if captured is not None:
+        captured.reset()  # free the graph's private pool before the next run
     steady = times[1:] if len(times) > 1 else times  # first step prepares
     return {
         'layer': layer, 'test_acc': test_acc, 'best_val_acc': best_val,

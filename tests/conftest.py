@@ -8,6 +8,7 @@ import pyg_fastattn
 from pyg_fastattn import _build, reference
 
 REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / 'examples' / 'train_cora.py'
 SHARED_PLANETOID = REPO.parent / 'shared' / 'data' / 'Planetoid'
 
 CUDA = torch.cuda.is_available()
@@ -15,6 +16,15 @@ requires_cuda = pytest.mark.skipif(not CUDA, reason='needs a CUDA GPU')
 
 # Devices every op test runs on; CUDA ones are marked so `-m cuda` selects them.
 DEVICES = ['cpu', pytest.param('cuda', marks=[pytest.mark.cuda, requires_cuda])]
+
+
+def load_example():
+    """examples/train_cora.py as a module (its GAT model and train())."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('train_cora', EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 @pytest.fixture(params=['native', 'reference'])

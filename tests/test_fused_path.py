@@ -6,7 +6,7 @@ import torch.nn.functional as F
 from pyg_fastattn import ops
 from pyg_fastattn.nn import FastGATConv
 
-from conftest import DEVICES, requires_cuda
+from conftest import DEVICES, load_example, requires_cuda
 
 
 def _power_law_graph(N, E, device, seed=0):
@@ -18,19 +18,9 @@ def _power_law_graph(N, E, device, seed=0):
     return torch.stack([src, dst]).to(device)
 
 
-class GAT(torch.nn.Module):
-    def __init__(self, cin, hidden, cout, heads=8, dropout=0.6):
-        super().__init__()
-        self.dropout = dropout
-        self.conv1 = FastGATConv(cin, hidden, heads=heads, dropout=dropout)
-        self.conv2 = FastGATConv(hidden * heads, cout, heads=1, concat=False,
-                                 dropout=dropout)
-
-    def forward(self, x, edge_index):
-        x = F.dropout(x, p=self.dropout, training=self.training)
-        x = F.elu(self.conv1(x, edge_index))
-        x = F.dropout(x, p=self.dropout, training=self.training)
-        return self.conv2(x, edge_index)
+def GAT(cin, hidden, cout, heads=8, dropout=0.6):
+    """PyG's example GAT (examples/train_cora.py) on FastGATConv."""
+    return load_example().GAT(FastGATConv, cin, hidden, cout, heads, dropout)
 
 
 @pytest.mark.parametrize('device', DEVICES)

@@ -1,14 +1,11 @@
 """FastGATConv against PyG's GATConv: outputs, gradients, attention weights,
 state dicts, swap_gat, the prepared-graph cache and torch.compile."""
-import copy
-import warnings
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch_geometric.nn import GATConv
 
-import pyg_fastattn
 from pyg_fastattn import FastGATConv, PreparedGraph, prepare, swap_gat
 from pyg_fastattn.nn import cache_info, clear_cache
 from torch_geometric.nn.conv import MessagePassing

@@ -5,14 +5,13 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from pyg_fastattn import ops, reference as R
 
-from conftest import CUDA, DEVICES, REPO, requires_cuda
+from conftest import DEVICES, REPO, requires_cuda
 from graphs import csr_from_degrees
 
 

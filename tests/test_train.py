@@ -1,20 +1,10 @@
 """The Cora example: accuracy of a full training run, and the no-data path."""
-import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
-
-import pytest
-
-EXAMPLE = Path(__file__).resolve().parent.parent / 'examples' / 'train_cora.py'
 
 
-def _example():
-    spec = importlib.util.spec_from_file_location('train_cora', EXAMPLE)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from conftest import EXAMPLE, load_example as _example
 
 
 def test_fast_gat_reaches_cora_accuracy(shared_data_root):
