@@ -579,3 +579,15 @@ class Budget:
 
     def spent(self) -> bool:
         return self.seconds is not None and self.elapsed() > self.seconds
+
+
+def add_timing_args(ap):
+    """Options shared by the benchmark scripts: warm-up, repetitions, budgets."""
+    ap.add_argument('--warmup', type=int, default=3)
+    ap.add_argument('--min-reps', type=int, default=5)
+    ap.add_argument('--max-reps', type=int, default=50)
+    ap.add_argument('--rep-budget', type=float, default=None,
+                    help='seconds of timed calls per measurement')
+    ap.add_argument('--budget-s', type=float, default=None,
+                    help='skip remaining workloads after this many seconds')
+    ap.add_argument('--threads', type=int, default=None)

@@ -586,14 +586,7 @@ def main(argv=None):
     ap.add_argument('--out', default='bench_out')
     ap.add_argument('--only', default=None,
                     help='comma list of substrings of workload names')
-    ap.add_argument('--warmup', type=int, default=3)
-    ap.add_argument('--min-reps', type=int, default=5)
-    ap.add_argument('--max-reps', type=int, default=50)
-    ap.add_argument('--rep-budget', type=float, default=None,
-                    help='seconds of timed calls per measurement')
-    ap.add_argument('--budget-s', type=float, default=None,
-                    help='skip remaining workloads after this many seconds')
-    ap.add_argument('--threads', type=int, default=None)
+    U.add_timing_args(ap)
     ap.add_argument('--fast-impl', default=None,
                     help='module:Class used as the fast conv (testing the '
                          'harness, e.g. torch_geometric.nn:GATConv)')

@@ -458,14 +458,7 @@ def main(argv=None):
     ap.add_argument('--no-seed', action='store_true', help='skip the seed sizes')
     ap.add_argument('--no-profile', action='store_true',
                     help='skip launch counting (torch.profiler)')
-    ap.add_argument('--warmup', type=int, default=3)
-    ap.add_argument('--min-reps', type=int, default=5)
-    ap.add_argument('--max-reps', type=int, default=50)
-    ap.add_argument('--rep-budget', type=float, default=None,
-                    help='seconds of timed calls per measurement')
-    ap.add_argument('--budget-s', type=float, default=None,
-                    help='skip remaining workloads after this many seconds')
-    ap.add_argument('--threads', type=int, default=None)
+    U.add_timing_args(ap)
     args = ap.parse_args(argv)
 
     dev = U.pick_device(args.device)
