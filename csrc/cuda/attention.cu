@@ -362,6 +362,30 @@ inline const T* opt_ptr(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<T>() : nullptr;
 }
 
+// Inputs shared by the forward and backward launches (outputs set by each).
+template <typename scalar_t, typename index_t>
+AttnArgs<scalar_t, index_t> attn_args(const at::Tensor& rowptr,
+                                      const at::Tensor& col,
+                                      const at::Tensor& a_src,
+                                      const at::Tensor& a_dst,
+                                      const at::Tensor& a_edge,
+                                      const at::Tensor& mask,
+                                      const at::Tensor& values, double slope) {
+  AttnArgs<scalar_t, index_t> a{};
+  a.rowptr = rowptr.data_ptr<index_t>();
+  a.col = col.data_ptr<index_t>();
+  a.a_src = opt_ptr<scalar_t>(a_src);
+  a.a_dst = opt_ptr<scalar_t>(a_dst);
+  a.a_edge = opt_ptr<scalar_t>(a_edge);
+  a.mask = opt_ptr<scalar_t>(mask);
+  a.values = values.data_ptr<scalar_t>();
+  a.N = rowptr.numel() - 1;
+  a.E = col.numel();
+  a.Ns = values.size(0);
+  a.slope = static_cast<acc_t<scalar_t>>(slope);
+  return a;
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_cuda(
     const at::Tensor& rowptr_in, const at::Tensor& col_in,
     const c10::optional<at::Tensor>& a_src_in,
@@ -386,20 +410,10 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
   PFA_DISPATCH_FLOATS(values.scalar_type(), "attention_cuda", [&] {
     PFA_DISPATCH_INDEX(rowptr.scalar_type(), "attention_cuda", [&] {
       using A = acc_t<scalar_t>;
-      AttnArgs<scalar_t, index_t> a{};
-      a.rowptr = rowptr.data_ptr<index_t>();
-      a.col = col.data_ptr<index_t>();
-      a.a_src = opt_ptr<scalar_t>(a_src);
-      a.a_dst = opt_ptr<scalar_t>(a_dst);
-      a.a_edge = opt_ptr<scalar_t>(a_edge);
-      a.mask = opt_ptr<scalar_t>(mask);
-      a.values = values.data_ptr<scalar_t>();
+      auto a = attn_args<scalar_t, index_t>(rowptr, col, a_src, a_dst, a_edge,
+                                            mask, values, negative_slope);
       a.out = out.data_ptr<scalar_t>();
       a.lse_out = lse.data_ptr<A>();
-      a.N = N;
-      a.E = col.numel();
-      a.Ns = values.size(0);
-      a.slope = static_cast<A>(negative_slope);
       constexpr int VW = vec_width<scalar_t>();
       const bool vec = C % VW == 0 && aligned16(a.values) && aligned16(a.out);
       const TileLayout L = make_layout(H, C, vec ? VW : 1, true);
@@ -444,23 +458,13 @@ std::tuple<at::Tensor, at::Tensor> attention_backward_cuda(
   PFA_DISPATCH_FLOATS(values.scalar_type(), "attention_backward_cuda", [&] {
     PFA_DISPATCH_INDEX(rowptr.scalar_type(), "attention_backward_cuda", [&] {
       using A = acc_t<scalar_t>;
-      AttnArgs<scalar_t, index_t> a{};
-      a.rowptr = rowptr.data_ptr<index_t>();
-      a.col = col.data_ptr<index_t>();
-      a.a_src = opt_ptr<scalar_t>(a_src);
-      a.a_dst = opt_ptr<scalar_t>(a_dst);
-      a.a_edge = opt_ptr<scalar_t>(a_edge);
-      a.mask = opt_ptr<scalar_t>(mask);
-      a.values = values.data_ptr<scalar_t>();
+      auto a = attn_args<scalar_t, index_t>(rowptr, col, a_src, a_dst, a_edge,
+                                            mask, values, negative_slope);
       a.fout = fout.data_ptr<scalar_t>();
       a.lse = lse.data_ptr<A>();
       a.grad_out = grad_out.data_ptr<scalar_t>();
       a.p = p.data_ptr<scalar_t>();
       a.gz = gz.data_ptr<scalar_t>();
-      a.N = N;
-      a.E = E;
-      a.Ns = values.size(0);
-      a.slope = static_cast<A>(negative_slope);
       constexpr int VW = vec_width<scalar_t>();
       const bool vec = C % VW == 0 && aligned16(a.values) &&
                        aligned16(a.fout) && aligned16(a.grad_out);
