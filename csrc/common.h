@@ -63,6 +63,8 @@ void check_attention(const at::Tensor& rowptr, const at::Tensor& col,
                      const c10::optional<at::Tensor>& mask,
                      const at::Tensor& values);
 void check_attention_backward(const at::Tensor& rowptr, const at::Tensor& col,
+                              const at::Tensor& colptr, const at::Tensor& row,
+                              const at::Tensor& perm,
                               const c10::optional<at::Tensor>& a_src,
                               const c10::optional<at::Tensor>& a_dst,
                               const c10::optional<at::Tensor>& a_edge,

@@ -146,11 +146,12 @@ def attention(rowptr: Tensor, col: Tensor, a_src: Optional[Tensor],
     return out[:N].to(values.dtype), lse
 
 
-def attention_backward(rowptr: Tensor, col: Tensor, a_src: Optional[Tensor],
+def attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
+                       row_t: Tensor, perm: Tensor, a_src: Optional[Tensor],
                        a_dst: Optional[Tensor], a_edge: Optional[Tensor],
                        mask: Optional[Tensor], values: Tensor,
                        negative_slope: float, out: Tensor, lse: Tensor,
-                       grad_out: Tensor) -> Tuple[Tensor, Tensor]:
+                       grad_out: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     N = rowptr.numel() - 1
     t = _opmath(values.dtype)
     row, z, s = _attention_scores(rowptr, col, a_src, a_dst, a_edge,
@@ -166,4 +167,8 @@ def attention_backward(rowptr: Tensor, col: Tensor, a_src: Optional[Tensor],
     grad_s = alpha * (g - delta)
     grad_z = torch.where(z > 0, grad_s, grad_s * negative_slope)
     grad_z = torch.where(finite, grad_z, torch.zeros_like(grad_z))
-    return (alpha * m).to(values.dtype), grad_z.to(values.dtype)
+    # Source side over the transpose (the kernels' single CSC pass).
+    grad_values = spmm(colptr, row_t, alpha * m, perm, grad_out.to(t))
+    grad_a_src = segment_sum(colptr, perm, grad_z)
+    dt = values.dtype
+    return grad_values.to(dt), grad_z.to(dt), grad_a_src.to(dt)

@@ -5,6 +5,7 @@
 #   scripts/gpu_check.sh build tests         # only some steps (info always runs)
 #   scripts/gpu_check.sh build bench         # bench = ops + gat
 #   scripts/gpu_check.sh build bench quick   # benchmarks with --quick sizes
+#   scripts/gpu_check.sh build cudatests gat profile
 #
 # Steps (each logged to its own file, summarized at the end; the script goes
 # on past failures and exits non-zero if any step failed, timed out or was
@@ -13,20 +14,22 @@
 #   build  python3 -m pyg_fastattn.build (PYG_FASTATTN_VERBOSE=1), and a check
 #          that the CUDA kernels are native
 #   tests  python3 -m pytest tests -q -x -m cuda, then python3 -m pytest tests -q
+#          (cudatests: only the first)
 #   ops    benchmarks/bench_ops.py --device $DEV
 #   gat    benchmarks/bench_gat.py --device $DEV --cuda-graph
+#   profile  benchmarks/profile_gat.py --device $DEV (not in the default set)
 #
 # Time: the whole run stays within GPU_CHECK_BUDGET seconds (default 530, so
 # one device call of <= ~9 minutes suffices). Each step runs under `timeout`
 # with min(its own limit, what is left minus the minimum reserved for the
 # steps after it). Limits (seconds) can be changed with T_INFO, T_BUILD,
-# T_TESTS_CUDA, T_TESTS, T_OPS, T_GAT.
+# T_TESTS_CUDA, T_TESTS, T_OPS, T_GAT, T_PROFILE.
 #
 # Outputs in $OUT (default ./gpu_out), at most 8 files, refreshed after every
 # step so that a killed run still returns what it had:
 #   summary.txt       step table, environment, benchmark tables, failing tails
 #   gpu_check.tar.gz  every log and every benchmark output (json/csv/md/png)
-#   build.log, tests.log, bench.log   (tails of) the step logs
+#   build.log, tests.log, bench.log, profile.log   (tails of) the step logs
 #   ops_cuda.md, gat_cuda.md, gat_cuda.png
 # Data: if ./.data/Planetoid exists (a copy of shared/data carried along),
 # PYG_FASTATTN_DATA points there. Other knobs: OUT, PYG_FASTATTN_CACHE
@@ -61,7 +64,8 @@ RESERVE=15 # for the final collection
 START=$SECONDS
 
 # ---------------------------------------------------------------- arguments
-want_info=1 want_build=0 want_tests=0 want_ops=0 want_gat=0 quick=""
+want_info=1 want_build=0 want_tests=0 want_ops=0 want_gat=0 want_profile=0
+cuda_only=0 quick=""
 if [ $# -eq 0 ]; then
     want_build=1 want_tests=1 want_ops=1 want_gat=1
 fi
@@ -71,6 +75,8 @@ for a in "$@"; do
         info) ;;
         build) want_build=1 ;;
         tests | test) want_tests=1 ;;
+        cudatests) want_tests=1 cuda_only=1 ;;
+        profile) want_profile=1 ;;
         ops) want_ops=1 ;;
         gat) want_gat=1 ;;
         bench) want_ops=1 want_gat=1 ;;
@@ -87,17 +93,18 @@ for a in "$@"; do
 done
 
 # min seconds reserved for each later step (so early steps cannot starve them)
-MIN_TESTS_CUDA=45 MIN_TESTS=60 MIN_OPS=90 MIN_GAT=120
+MIN_TESTS_CUDA=45 MIN_TESTS=60 MIN_OPS=90 MIN_GAT=120 MIN_PROFILE=60
 
 reserved_after() { # sum of the minimum shares of the wanted steps after $1
     local s=0 seen=0 st
-    for st in info build tests_cuda tests ops gat; do
+    for st in info build tests_cuda tests ops gat profile; do
         if [ $seen -eq 1 ]; then
             case $st in
                 tests_cuda) [ $want_tests -eq 1 ] && s=$((s + MIN_TESTS_CUDA)) ;;
-                tests) [ $want_tests -eq 1 ] && s=$((s + MIN_TESTS)) ;;
+                tests) [ $want_tests -eq 1 ] && [ $cuda_only -eq 0 ] && s=$((s + MIN_TESTS)) ;;
                 ops) [ $want_ops -eq 1 ] && s=$((s + MIN_OPS)) ;;
                 gat) [ $want_gat -eq 1 ] && s=$((s + MIN_GAT)) ;;
+                profile) [ $want_profile -eq 1 ] && s=$((s + MIN_PROFILE)) ;;
             esac
         fi
         [ "$st" = "$1" ] && seen=1
@@ -169,12 +176,15 @@ collect() {
     tail_into "$OUT/build.log" 400 "$LOGS/build.log"
     tail_into "$OUT/tests.log" 400 "$LOGS/tests_cuda.log" "$LOGS/tests.log"
     tail_into "$OUT/bench.log" 300 "$LOGS/ops.log" "$LOGS/gat.log"
+    tail_into "$OUT/profile.log" 600 "$LOGS/profile.log"
     for f in "ops_$DEV.md" "gat_$DEV.md" "gat_$DEV.png"; do
         [ -f "$BENCH/$f" ] && cp "$BENCH/$f" "$OUT/$f"
     done
     [ -f "$OUT/build.log" ] && [ ! -s "$OUT/build.log" ] && rm -f "$OUT/build.log"
     [ -f "$OUT/tests.log" ] && [ ! -s "$OUT/tests.log" ] && rm -f "$OUT/tests.log"
-    [ -f "$OUT/bench.log" ] && [ ! -s "$OUT/bench.log" ] && rm -f "$OUT/bench.log"
+    for f in bench profile; do
+        [ -f "$OUT/$f.log" ] && [ ! -s "$OUT/$f.log" ] && rm -f "$OUT/$f.log"
+    done
     cp "$STATUS" "$WORK/status_copy.txt" 2>/dev/null
     tar -czf "$OUT/gpu_check.tar.gz.tmp" -C "$WORK" logs bench_out status.txt 2>/dev/null &&
         mv "$OUT/gpu_check.tar.gz.tmp" "$OUT/gpu_check.tar.gz"
@@ -264,7 +274,7 @@ fi
 if [ $want_tests -eq 1 ]; then
     run_step tests_cuda "${T_TESTS_CUDA:-150}" \
         'python3 -m pytest tests -q -x -m cuda -rfEs --durations=10 -p no:cacheprovider'
-    run_step tests "${T_TESTS:-240}" \
+    [ $cuda_only -eq 0 ] && run_step tests "${T_TESTS:-240}" \
         'python3 -m pytest tests -q -rfE --durations=15 -p no:cacheprovider'
 fi
 
@@ -275,6 +285,10 @@ fi
 
 if [ $want_gat -eq 1 ]; then
     run_step gat "${T_GAT:-240}" "python3 benchmarks/bench_gat.py --device $DEV --cuda-graph --out '$BENCH' --budget-s \$(( STEP_LIMIT > 120 ? STEP_LIMIT - 60 : STEP_LIMIT / 2 )) $quick"
+fi
+
+if [ $want_profile -eq 1 ]; then
+    run_step profile "${T_PROFILE:-120}" "python3 benchmarks/profile_gat.py --device $DEV"
 fi
 
 collect

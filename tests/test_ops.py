@@ -181,12 +181,15 @@ def test_reference_backward_matches_autograd(device):
     mask = (torch.rand(E, H, **d) > 0.5).double() * 2
     out, lse = R.attention(rowptr, col, a_src, a_dst, a_edge, mask, v, 0.2)
     go = torch.randn_like(out)
-    ga_edge, gv = torch.autograd.grad(out, [a_edge, v], go)
-    p, gz = R.attention_backward(rowptr, col, a_src, a_dst, a_edge, mask, v,
-                                 0.2, out, lse, go)
+    ga_edge, gv, ga_src, ga_dst = torch.autograd.grad(
+        out, [a_edge, v, a_src, a_dst], go)
+    csc = ops.csr_to_csc(rowptr, col, Ns)
+    gv_r, gz, gs = R.attention_backward(rowptr, col, *csc, a_src, a_dst,
+                                        a_edge, mask, v, 0.2, out, lse, go)
     torch.testing.assert_close(gz, ga_edge)
-    torch.testing.assert_close(R.spmm(*ops.csr_to_csc(rowptr, col, Ns)[:2], p,
-                                      ops.csr_to_csc(rowptr, col, Ns).perm, go), gv)
+    torch.testing.assert_close(gv_r, gv)
+    torch.testing.assert_close(gs, ga_src)
+    torch.testing.assert_close(R.segment_sum(rowptr, None, gz), ga_dst)
     s = torch.randn(E, H, **d, requires_grad=True)
     y = R.edge_softmax(rowptr, s)
     gy = torch.randn_like(y)

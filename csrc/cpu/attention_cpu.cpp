@@ -127,72 +127,95 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
   return {out, lse};
 }
 
-// Same split as the forward; one pass per row: delta[h] = <grad_out[i, h],
-// out[i, h]>, then each edge's p and grad_z from alpha = exp(s - lse).
-std::tuple<at::Tensor, at::Tensor> attention_backward_cpu(
-    const at::Tensor& rowptr_, const at::Tensor& col_,
+// Two steps. (1) delta[i, h] = <grad_out[i, h], out[i, h]>, rows in
+// parallel. (2) One pass over the transpose: source nodes j split over
+// threads by edge count (parallel_rows on colptr); for each out-edge
+// e = (j -> i) (CSC entry k: i = row[k], e = perm[k]) alpha is recomputed
+// from lse[i], grad_out[i] is read once for both the score gradient and
+// grad_values[j], and grad_z[e] is written at its CSR position. Each output
+// has one writer, so the result does not depend on the thread count.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
+    const at::Tensor& rowptr_, const at::Tensor& col_, const at::Tensor& colptr_,
+    const at::Tensor& row_, const at::Tensor& perm_,
     const c10::optional<at::Tensor>& a_src_, const c10::optional<at::Tensor>& a_dst_,
     const c10::optional<at::Tensor>& a_edge_, const c10::optional<at::Tensor>& mask_,
     const at::Tensor& values_, double negative_slope, const at::Tensor& out_,
     const at::Tensor& lse_, const at::Tensor& grad_out_) {
-  check_attention_backward(rowptr_, col_, a_src_, a_dst_, a_edge_, mask_,
-                           values_, out_, lse_, grad_out_);
+  check_attention_backward(rowptr_, col_, colptr_, row_, perm_, a_src_, a_dst_,
+                           a_edge_, mask_, values_, out_, lse_, grad_out_);
   const Inputs in = contiguous_inputs(rowptr_, col_, a_src_, a_dst_, a_edge_, mask_, values_);
-  const at::Tensor out = out_.contiguous(), lse = lse_.contiguous(),
-                   grad_out = grad_out_.contiguous();
+  const at::Tensor colptr = colptr_.contiguous(), row = row_.contiguous(),
+                   perm = perm_.contiguous(), out = out_.contiguous(),
+                   lse = lse_.contiguous(), grad_out = grad_out_.contiguous();
   const int64_t N = in.rowptr.numel() - 1, E = in.col.numel(),
                 Ns = in.values.size(0), H = in.values.size(1),
                 C = in.values.size(2), HC = H * C;
-  at::Tensor p_out = at::empty({E, H}, in.values.options());
-  at::Tensor gz_out = at::empty({E, H}, in.values.options());
+  at::Tensor g_values = at::empty({Ns, H, C}, in.values.options());
+  at::Tensor g_z = at::zeros({E, H}, in.values.options());
+  at::Tensor g_src = at::empty({Ns, H}, in.values.options());
+  at::Tensor delta = at::empty({N, H}, lse.options());
   PFA_DISPATCH_INDEX(in.rowptr.scalar_type(), "attention_backward_cpu", [&] {
     AT_DISPATCH_FLOATING_TYPES(in.values.scalar_type(), "attention_backward_cpu", [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      const Scores<scalar_t> scores = make_scores<scalar_t>(in, negative_slope);
-      const index_t* rp = in.rowptr.const_data_ptr<index_t>();
-      const index_t* cl = in.col.const_data_ptr<index_t>();
+      const index_t* cp = colptr.const_data_ptr<index_t>();
+      const index_t* rw = row.const_data_ptr<index_t>();
+      const index_t* pm = perm.const_data_ptr<index_t>();
+      const scalar_t* a_src = cpu::data_or_null<scalar_t>(in.a_src);
+      const scalar_t* a_dst = cpu::data_or_null<scalar_t>(in.a_dst);
+      const scalar_t* a_edge = cpu::data_or_null<scalar_t>(in.a_edge);
       const scalar_t* mask = cpu::data_or_null<scalar_t>(in.mask);
+      const acc_t slope = static_cast<acc_t>(negative_slope);
       const scalar_t* v = in.values.const_data_ptr<scalar_t>();
       const scalar_t* o = out.const_data_ptr<scalar_t>();
       const scalar_t* go = grad_out.const_data_ptr<scalar_t>();
       const acc_t* l = lse.const_data_ptr<acc_t>();
-      scalar_t* p_ptr = p_out.data_ptr<scalar_t>();
-      scalar_t* gz_ptr = gz_out.data_ptr<scalar_t>();
-      cpu::zero_outside_rows(p_out, rp, N);
-      cpu::zero_outside_rows(gz_out, rp, N);
-      cpu::parallel_rows(rp, N, E, HC, [&](int64_t r0, int64_t r1) {
-        std::vector<acc_t> buf(3 * H);
-        acc_t *delta = buf.data(), *z = delta + H, *s = z + H;
-        for (int64_t i = r0; i < r1; ++i) {
-          const auto [b, e] = cpu::row_range(rp, i, E);
-          const scalar_t* go_i = go + i * HC;
-          for (int64_t h = 0; h < H; ++h)
-            delta[h] = cpu::dot(go_i + h * C, o + i * HC + h * C, C);
-          for (int64_t k = b; k < e; ++k) {
-            const int64_t j = cl[k];
-            cpu::prefetch_ahead(cl, k, E, v, Ns, HC);
-            const bool ok = j >= 0 && j < Ns;
-            if (ok) scores(i, j, k, z, s);
+      acc_t* dl = delta.data_ptr<acc_t>();
+      scalar_t* gv_ptr = g_values.data_ptr<scalar_t>();
+      scalar_t* gz_ptr = g_z.data_ptr<scalar_t>();
+      scalar_t* gs_ptr = g_src.data_ptr<scalar_t>();
+      at::parallel_for(0, N * H, std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(C, 1)),
+                       [&](int64_t b, int64_t e) {
+        for (int64_t t = b; t < e; ++t) dl[t] = cpu::dot(go + t * C, o + t * C, C);
+      });
+      cpu::parallel_rows(cp, Ns, E, HC, [&](int64_t j0, int64_t j1) {
+        std::vector<acc_t> buf(HC + H);
+        acc_t *acc = buf.data(), *gsrc = acc + HC;
+        for (int64_t j = j0; j < j1; ++j) {
+          const auto [b, end] = cpu::row_range(cp, j, E);
+          std::fill(acc, acc + HC + H, acc_t(0));
+          const scalar_t* vj = v + j * HC;
+          for (int64_t k = b; k < end; ++k) {
+            const int64_t i = rw[k], e = pm[k];
+            cpu::prefetch_ahead(rw, k, E, go, N, HC);
+            if (i < 0 || i >= N || e < 0 || e >= E) continue;
+            const scalar_t* go_i = go + i * HC;
             for (int64_t h = 0; h < H; ++h) {
               const acc_t lse_ih = l[i * H + h];
-              acc_t p = 0, gz = 0;
-              if (ok && std::isfinite(lse_ih)) {  // else the row has no weight
-                const acc_t alpha = std::exp(s[h] - lse_ih);
-                const acc_t mk = mask ? acc_t(mask[k * H + h]) : acc_t(1);
-                const acc_t g = mk * cpu::dot(go_i + h * C, v + j * HC + h * C, C);
-                const acc_t grad_s = alpha * (g - delta[h]);
-                gz = z[h] > 0 ? grad_s : grad_s * scores.slope;
-                p = alpha * mk;
-              }
-              p_ptr[k * H + h] = scalar_t(p);
-              gz_ptr[k * H + h] = scalar_t(gz);
+              if (!std::isfinite(lse_ih)) continue;  // the row has no weight
+              acc_t z = 0;  // the reference's order: a_src + a_dst + a_edge
+              if (a_src) z += acc_t(a_src[j * H + h]);
+              if (a_dst) z += acc_t(a_dst[i * H + h]);
+              if (a_edge) z += acc_t(a_edge[e * H + h]);
+              const acc_t alpha = std::exp((z > 0 ? z : slope * z) - lse_ih);
+              const acc_t mk = mask ? acc_t(mask[e * H + h]) : acc_t(1);
+              const scalar_t* g = go_i + h * C;
+              const acc_t grad_s =
+                  alpha * (mk * cpu::dot(g, vj + h * C, C) - dl[i * H + h]);
+              const acc_t gz = z > 0 ? grad_s : grad_s * slope;
+              gz_ptr[e * H + h] = scalar_t(gz);
+              gsrc[h] += gz;
+              const acc_t p = alpha * mk;
+              acc_t* a = acc + h * C;
+              for (int64_t c = 0; c < C; ++c) a[c] += p * acc_t(g[c]);
             }
           }
+          for (int64_t q = 0; q < HC; ++q) gv_ptr[j * HC + q] = scalar_t(acc[q]);
+          for (int64_t h = 0; h < H; ++h) gs_ptr[j * H + h] = scalar_t(gsrc[h]);
         }
       });
     });
   });
-  return {p_out, gz_out};
+  return {g_values, g_z, g_src};
 }
 
 }  // namespace

@@ -19,11 +19,15 @@ struct AttnArgs {
   scalar_t* out;               // [N, H, C]
   acc_t<scalar_t>* lse_out;    // [N, H]
   // backward inputs / outputs
-  const scalar_t* fout;        // forward out [N, H, C]
-  const acc_t<scalar_t>* lse;  // [N, H]
+  const index_t* colptr;       // [Ns + 1] transpose
+  const index_t* row_t;        // [E] CSR row of each CSC entry
+  const index_t* perm;         // [E] CSR position of each CSC entry
+  const acc_t<scalar_t>* lse;    // [N, H]
+  const acc_t<scalar_t>* delta;  // [N, H] <grad_out[i, h], out[i, h]>
   const scalar_t* grad_out;    // [N, H, C]
-  scalar_t* p;                 // [E, H]
+  scalar_t* gvalues;           // [Ns, H, C]
   scalar_t* gz;                // [E, H]
+  scalar_t* gsrc;              // [Ns, H]
   int64_t N, E, Ns;
   acc_t<scalar_t> slope;
 };
@@ -186,109 +190,132 @@ __global__ void __launch_bounds__(kBlock)
   });
 }
 
-// One warp per (row, head tile), same lane layout (whole heads per warp;
-// heads with more than 32 units have each lane walk units cl + 32*kc).
-// Per row: the lane's units of grad_out[i] are kept in registers and
-// delta_h = <grad_out[i,h], out[i,h]> is reduced over the cl lanes. Then
-// lane (es, hs, cl) walks edges es + ES*k (EB in flight), forms its partial
-// <grad_out[i,h], values[j,h]>, reduces it over the head's LH lanes and
-// lane cl == 0 writes p[e,h] and grad_z[e,h]. Rows with more than
-// kCoopEdges edges are shared by the 8 warps of the block (edge batches
-// interleaved; no reduction needed). Finally all threads zero the per-edge
-// outputs at e >= rowptr[N] (grid-stride).
+// Backward prologue (grid-stride over all threads): delta[t] = <x[t, :],
+// y[t, :]> over C elements, one thread per (node, head) t, V-element vector
+// loads when aligned; and zero[0, nzero) = 0 (grad_z, whose entries outside
+// every row no CSC entry writes).
+template <typename scalar_t, int V>
+__global__ void __launch_bounds__(kBlock)
+    row_dot_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ y,
+                   acc_t<scalar_t>* __restrict__ out, int64_t rows, int64_t C,
+                   scalar_t* __restrict__ zero, int64_t nzero) {
+  using A = acc_t<scalar_t>;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (int64_t k = first; k < nzero; k += stride) zero[k] = scalar_t(0.0f);
+  for (int64_t t = first; t < rows; t += stride) {
+    A d = A(0);
+    for (int64_t c = 0; c < C; c += V) {
+      const Vec<scalar_t, V> u = load_vec<scalar_t, V>(x + t * C + c);
+      const Vec<scalar_t, V> w = load_vec<scalar_t, V>(y + t * C + c);
+#pragma unroll
+      for (int v = 0; v < V; ++v) d += vec_get(u, v) * vec_get(w, v);
+    }
+    out[t] = d;
+  }
+}
+
+// Weight of CSC entry (j -> i, CSR position e) for head h, alpha recomputed
+// from the row's lse: returns alpha (0 for rows without weight, fin false)
+// and sets z and mk (the dropout multiplier).
+template <typename scalar_t, typename index_t, typename A>
+__device__ __forceinline__ A bwd_alpha(const AttnArgs<scalar_t, index_t>& a,
+                                       int H, int64_t i, int64_t e, int h,
+                                       A asrc, A& z, A& mk, bool& fin) {
+  z = asrc;  // the reference's order: a_src + a_dst + a_edge
+  if (a.a_dst != nullptr) z += to_acc(a.a_dst[i * H + h]);
+  if (a.a_edge != nullptr) z += to_acc(a.a_edge[e * H + h]);
+  const A l = a.lse[i * H + h];
+  fin = is_finite(l);
+  mk = a.mask != nullptr ? to_acc(a.mask[e * H + h]) : A(1);
+  return fin ? pfa_exp(leaky(z, a.slope) - l) : A(0);
+}
+
+// Backward, one pass over the transpose: one warp per (source node j, head
+// tile), same lane layout as the forward with whole heads per warp (heads
+// of more than 32 units: each lane walks units cl + 32*kc). The lane's units
+// of values[j] stay in registers. Lane (es, hs, cl) walks CSC entries
+// es + ES*k (EB in flight; i = row[k], e = perm[k]), gathers its units of
+// grad_out[i], reduces <grad_out[i,h], values[j,h]> over the head's LH
+// lanes, recomputes alpha from lse[i] and accumulates alpha*mask*grad_out[i]
+// (grad_values) and grad_z (grad_a_src); lane cl == 0 writes grad_z[e, h].
+// Edge slots are summed with shuffles; columns with more than kCoopEdges
+// entries are shared by the 8 warps of the block and combined in shared
+// memory in a fixed order (no atomics: bitwise deterministic). Units
+// beyond the first 32 of a head (streaming mode) get their grad_values in
+// extra passes over the column.
 template <typename scalar_t, typename index_t, int V, int KHQ>
 __global__ void __launch_bounds__(kBlock)
     attention_bwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
   constexpr int EB = edge_batch<KHQ, V, scalar_t>();
   __shared__ int64_t s_long[kWarpsPerBlock];
+  __shared__ A s_red[kWarpsPerBlock * kWarp * KHQ * V];
   const int H = L.H;
   const int64_t D = static_cast<int64_t>(H) * L.C;
-  const int64_t tail = tail_begin(a.rowptr, a.N, a.E);  // used at the end
-  run_rows(a.rowptr, a.N, a.E, s_long, [&](int64_t row, int rank, int nranks) {
+  run_rows(a.colptr, a.Ns, a.E, s_long, [&](int64_t node, int rank, int nranks) {
     const LaneTile<KHQ> T =
-        decode_tile<KHQ>(L, V, row, static_cast<int>(blockIdx.y), lane_id());
-    const int64_t i = T.row;
+        decode_tile<KHQ>(L, V, node, static_cast<int>(blockIdx.y), lane_id());
+    const int64_t j = T.row;
     int64_t start, end;
-    row_range(a.rowptr, i, a.E, start, end);
-    const scalar_t* __restrict__ go_row = a.grad_out + i * D;
-    const scalar_t* __restrict__ out_row = a.fout + i * D;
+    row_range(a.colptr, j, a.E, start, end);
+    const scalar_t* __restrict__ v_row = a.values + j * D;
 
-    // Edge batches of ES*EB edges, interleaved over the nranks warps. Each
-    // batch's column indices are loaded at the end of the previous iteration
-    // (the first batch's together with the row's grad_out / out units).
+    // Entry batches of ES*EB, interleaved over the nranks warps; the next
+    // batch's (i, e) are loaded at the end of each iteration.
     const int64_t batch = static_cast<int64_t>(T.ES) * EB;
     const int64_t step = batch * nranks;
-    int64_t jn[EB];
+    int64_t in_[EB], en_[EB];
     bool okn[EB];
-    auto load_cols = [&](int64_t base) {
+    auto load_idx = [&](int64_t base) {
 #pragma unroll
       for (int b = 0; b < EB; ++b) {
-        const int64_t ee = base + static_cast<int64_t>(b) * T.ES + T.es;
-        okn[b] = ee < end;
-        jn[b] = okn[b] ? static_cast<int64_t>(a.col[ee]) : 0;
+        const int64_t k = base + static_cast<int64_t>(b) * T.ES + T.es;
+        okn[b] = k < end;
+        in_[b] = okn[b] ? static_cast<int64_t>(a.row_t[k]) : 0;
+        en_[b] = okn[b] ? static_cast<int64_t>(a.perm[k]) : 0;
       }
     };
-    load_cols(start + rank * batch);
+    auto take = [&](int64_t (&i)[EB], int64_t (&e)[EB], bool (&ok)[EB]) {
+#pragma unroll
+      for (int b = 0; b < EB; ++b) {
+        i[b] = in_[b];
+        e[b] = en_[b];
+        ok[b] = okn[b] && i[b] >= 0 && i[b] < a.N && e[b] >= 0 && e[b] < a.E;
+      }
+    };
+    load_idx(start + rank * batch);
 
-    A adst[KHQ], lse[KHQ], delta[KHQ], go[KHQ][V];
-    bool fin[KHQ];
+    A asrc[KHQ], vj[KHQ][V], acc[KHQ][V], gsrc[KHQ][1];
 #pragma unroll
     for (int kh = 0; kh < KHQ; ++kh) {
-      adst[kh] = (a.a_dst != nullptr && T.hok[kh])
-                     ? to_acc(a.a_dst[i * H + T.h[kh]])
+      asrc[kh] = (a.a_src != nullptr && T.hok[kh])
+                     ? to_acc(a.a_src[j * H + T.h[kh]])
                      : A(0);
-      lse[kh] = T.hok[kh] ? a.lse[i * H + T.h[kh]] : A(0);
-      fin[kh] = is_finite(lse[kh]);
-      A d = A(0);
-      if (T.uok[kh]) {
-        const Vec<scalar_t, V> g = load_vec<scalar_t, V>(go_row + T.uoff[kh]);
-        const Vec<scalar_t, V> o = load_vec<scalar_t, V>(out_row + T.uoff[kh]);
+      gsrc[kh][0] = A(0);
+      const Vec<scalar_t, V> r = T.uok[kh]
+                                     ? load_vec<scalar_t, V>(v_row + T.uoff[kh])
+                                     : zero_vec<scalar_t, V>();
 #pragma unroll
-        for (int v = 0; v < V; ++v) {
-          go[kh][v] = vec_get(g, v);
-          d += go[kh][v] * vec_get(o, v);
-        }
-      } else {
-#pragma unroll
-        for (int v = 0; v < V; ++v) go[kh][v] = A(0);
-      }
-      delta[kh] = d;
-    }
-    // Streaming mode (KHQ == 1): units beyond the first 32 of the head.
-    for (int kc = 1; kc < L.KC; ++kc) {
-      const int c = T.cl + 32 * kc;
-      if (c < L.CU && T.hok[0]) {
-        const int64_t off = static_cast<int64_t>(T.h[0]) * L.C +
-                            static_cast<int64_t>(c) * V;
-        const Vec<scalar_t, V> g = load_vec<scalar_t, V>(go_row + off);
-        const Vec<scalar_t, V> o = load_vec<scalar_t, V>(out_row + off);
-#pragma unroll
-        for (int v = 0; v < V; ++v) delta[0] += vec_get(g, v) * vec_get(o, v);
+      for (int v = 0; v < V; ++v) {
+        vj[kh][v] = vec_get(r, v);
+        acc[kh][v] = A(0);
       }
     }
-#pragma unroll
-    for (int kh = 0; kh < KHQ; ++kh) delta[kh] = xor_sum(delta[kh], 1, T.LH);
 
     // The trip count is uniform over the warp (shuffles inside).
     for (int64_t e0 = start + rank * batch; e0 < end; e0 += step) {
-      int64_t e[EB], j[EB];
-      bool ok[EB], okj[EB];
-#pragma unroll
-      for (int b = 0; b < EB; ++b) {
-        e[b] = e0 + static_cast<int64_t>(b) * T.ES + T.es;
-        ok[b] = okn[b];
-        j[b] = jn[b];
-        okj[b] = ok[b] && j[b] >= 0 && j[b] < a.Ns;
-      }
+      int64_t i[EB], e[EB];
+      bool ok[EB];
+      take(i, e, ok);
       Vec<scalar_t, V> raw[EB][KHQ];
 #pragma unroll
       for (int b = 0; b < EB; ++b)
 #pragma unroll
         for (int kh = 0; kh < KHQ; ++kh)
           raw[b][kh] =
-              (okj[b] && T.uok[kh])
-                  ? load_vec<scalar_t, V>(a.values + j[b] * D + T.uoff[kh])
+              (ok[b] && T.uok[kh])
+                  ? load_vec<scalar_t, V>(a.grad_out + i[b] * D + T.uoff[kh])
                   : zero_vec<scalar_t, V>();
       A dot[EB][KHQ];
 #pragma unroll
@@ -297,7 +324,7 @@ __global__ void __launch_bounds__(kBlock)
         for (int kh = 0; kh < KHQ; ++kh) {
           A d = A(0);
 #pragma unroll
-          for (int v = 0; v < V; ++v) d += go[kh][v] * vec_get(raw[b][kh], v);
+          for (int v = 0; v < V; ++v) d += vec_get(raw[b][kh], v) * vj[kh][v];
           dot[b][kh] = d;
         }
       for (int kc = 1; kc < L.KC; ++kc) {  // streaming mode only
@@ -305,12 +332,12 @@ __global__ void __launch_bounds__(kBlock)
         if (c < L.CU && T.hok[0]) {
           const int64_t off = static_cast<int64_t>(T.h[0]) * L.C +
                               static_cast<int64_t>(c) * V;
-          const Vec<scalar_t, V> g = load_vec<scalar_t, V>(go_row + off);
+          const Vec<scalar_t, V> r = load_vec<scalar_t, V>(v_row + off);
 #pragma unroll
           for (int b = 0; b < EB; ++b) {
-            if (!okj[b]) continue;
-            const Vec<scalar_t, V> r =
-                load_vec<scalar_t, V>(a.values + j[b] * D + off);
+            if (!ok[b]) continue;
+            const Vec<scalar_t, V> g =
+                load_vec<scalar_t, V>(a.grad_out + i[b] * D + off);
 #pragma unroll
             for (int v = 0; v < V; ++v)
               dot[b][0] += vec_get(g, v) * vec_get(r, v);
@@ -328,29 +355,70 @@ __global__ void __launch_bounds__(kBlock)
         for (int kh = 0; kh < KHQ; ++kh) {
           if (!T.hok[kh]) continue;
           const int h = T.h[kh];
-          A pv = A(0), gzv = A(0);
-          if (okj[b]) {
-            const A z = attn_z(a.a_src, a.a_edge, H, e[b], j[b], h, adst[kh]);
-            const A sc = leaky(z, a.slope);
-            const A alpha = fin[kh] ? pfa_exp(sc - lse[kh]) : A(0);
-            const A mk =
-                a.mask != nullptr ? to_acc(a.mask[e[b] * H + h]) : A(1);
-            const A gs = alpha * (mk * dot[b][kh] - delta[kh]);
-            gzv = fin[kh] ? (z > A(0) ? gs : gs * a.slope) : A(0);
-            pv = alpha * mk;
-          }
-          if (T.cl == 0) {
-            a.p[e[b] * H + h] = from_acc<scalar_t>(pv);
-            a.gz[e[b] * H + h] = from_acc<scalar_t>(gzv);
-          }
+          A z, mk;
+          bool fin;
+          const A alpha = bwd_alpha(a, H, i[b], e[b], h, asrc[kh], z, mk, fin);
+          if (!fin) continue;
+          const A gs = alpha * (mk * dot[b][kh] - a.delta[i[b] * H + h]);
+          const A gzv = z > A(0) ? gs : gs * a.slope;
+          if (T.cl == 0) a.gz[e[b] * H + h] = from_acc<scalar_t>(gzv);
+          gsrc[kh][0] += gzv;
+          const A p = alpha * mk;
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[kh][v] += p * vec_get(raw[b][kh], v);
         }
       }
-      load_cols(e0 + step);  // next batch
+      load_idx(e0 + step);
+    }
+    reduce_edge_slots<V, KHQ>(T, acc);
+    reduce_edge_slots<1, KHQ>(T, gsrc);
+    if (nranks > 1) {
+      block_sum<V, KHQ>(acc, s_red, rank, nranks);
+      block_sum<1, KHQ>(gsrc, s_red, rank, nranks);
+    }
+    if (rank == 0) {
+      store_units<V, KHQ>(T, acc, a.gvalues + j * D);
+#pragma unroll
+      for (int kh = 0; kh < KHQ; ++kh)
+        if (T.es == 0 && T.cl == 0 && T.hok[kh])
+          a.gsrc[j * H + T.h[kh]] = from_acc<scalar_t>(gsrc[kh][0]);
+    }
+
+    // Streaming mode: grad_values of units cl + 32*kc, one pass each.
+    for (int kc = 1; kc < L.KC; ++kc) {
+      const int c = T.cl + 32 * kc;
+      const bool uk = c < L.CU && T.hok[0];
+      const int64_t off =
+          static_cast<int64_t>(T.h[0]) * L.C + static_cast<int64_t>(c) * V;
+      A acc2[1][V];
+      zero_acc<V, 1>(acc2);
+      load_idx(start + rank * batch);
+      for (int64_t e0 = start + rank * batch; e0 < end; e0 += step) {
+        int64_t i[EB], e[EB];
+        bool ok[EB];
+        take(i, e, ok);
+#pragma unroll
+        for (int b = 0; b < EB; ++b) {
+          if (!ok[b] || !uk) continue;
+          A z, mk;
+          bool fin;
+          const A alpha = bwd_alpha(a, H, i[b], e[b], T.h[0], asrc[0], z, mk, fin);
+          const Vec<scalar_t, V> g =
+              load_vec<scalar_t, V>(a.grad_out + i[b] * D + off);
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc2[0][v] += alpha * mk * vec_get(g, v);
+        }
+        load_idx(e0 + step);
+      }
+      if (nranks > 1) block_sum<V, 1>(acc2, s_red, rank, nranks);
+      if (rank == 0 && uk) {
+        Vec<scalar_t, V> o = zero_vec<scalar_t, V>();
+#pragma unroll
+        for (int v = 0; v < V; ++v) vec_set(o, v, acc2[0][v]);
+        store_vec<scalar_t, V>(a.gvalues + j * D + off, o);
+      }
     }
   });
-  const int64_t Hh = L.H;
-  zero_from(tail, a.E, Hh, a.p);
-  zero_from(tail, a.E, Hh, a.gz);
 }
 
 inline at::Tensor opt_contig(const c10::optional<at::Tensor>& t) {
@@ -430,19 +498,24 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_backward_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const at::Tensor& rowptr_in, const at::Tensor& col_in,
-    const c10::optional<at::Tensor>& a_src_in,
+    const at::Tensor& colptr_in, const at::Tensor& row_in,
+    const at::Tensor& perm_in, const c10::optional<at::Tensor>& a_src_in,
     const c10::optional<at::Tensor>& a_dst_in,
     const c10::optional<at::Tensor>& a_edge_in,
     const c10::optional<at::Tensor>& mask_in, const at::Tensor& values_in,
     double negative_slope, const at::Tensor& out_in, const at::Tensor& lse_in,
     const at::Tensor& grad_out_in) {
-  check_attention_backward(rowptr_in, col_in, a_src_in, a_dst_in, a_edge_in,
-                           mask_in, values_in, out_in, lse_in, grad_out_in);
+  check_attention_backward(rowptr_in, col_in, colptr_in, row_in, perm_in,
+                           a_src_in, a_dst_in, a_edge_in, mask_in, values_in,
+                           out_in, lse_in, grad_out_in);
   c10::cuda::CUDAGuard guard(values_in.device());
   const at::Tensor rowptr = rowptr_in.contiguous();
   const at::Tensor col = col_in.contiguous();
+  const at::Tensor colptr = colptr_in.contiguous();
+  const at::Tensor row_t = row_in.contiguous();
+  const at::Tensor perm = perm_in.contiguous();
   const at::Tensor values = values_in.contiguous();
   const at::Tensor fout = out_in.contiguous();
   const at::Tensor lse = lse_in.contiguous();
@@ -451,26 +524,50 @@ std::tuple<at::Tensor, at::Tensor> attention_backward_cuda(
                    a_edge = opt_contig(a_edge_in), mask = opt_contig(mask_in);
   const int64_t N = rowptr.numel() - 1;
   const int64_t E = col.numel();
-  const int64_t H = values.size(1), C = values.size(2);
-  at::Tensor p = at::empty({E, H}, values.options());
-  at::Tensor gz = at::empty({E, H}, values.options());
-  if (E * H == 0) return {p, gz};
+  const int64_t Ns = values.size(0), H = values.size(1), C = values.size(2);
+  at::Tensor gvalues = at::empty({Ns, H, C}, values.options());
+  at::Tensor gz = at::empty({E, H}, values.options());  // zeroed by row_dot
+  at::Tensor gsrc = at::empty({Ns, H}, values.options());
+  at::Tensor delta = at::empty({N, H}, lse.options());
+  if (Ns * H == 0) return {gvalues, gz.zero_(), gsrc};
   PFA_DISPATCH_FLOATS(values.scalar_type(), "attention_backward_cuda", [&] {
     PFA_DISPATCH_INDEX(rowptr.scalar_type(), "attention_backward_cuda", [&] {
       using A = acc_t<scalar_t>;
       auto a = attn_args<scalar_t, index_t>(rowptr, col, a_src, a_dst, a_edge,
                                             mask, values, negative_slope);
-      a.fout = fout.data_ptr<scalar_t>();
+      a.colptr = colptr.data_ptr<index_t>();
+      a.row_t = row_t.data_ptr<index_t>();
+      a.perm = perm.data_ptr<index_t>();
       a.lse = lse.data_ptr<A>();
+      a.delta = delta.data_ptr<A>();
       a.grad_out = grad_out.data_ptr<scalar_t>();
-      a.p = p.data_ptr<scalar_t>();
+      a.gvalues = gvalues.data_ptr<scalar_t>();
       a.gz = gz.data_ptr<scalar_t>();
+      a.gsrc = gsrc.data_ptr<scalar_t>();
       constexpr int VW = vec_width<scalar_t>();
       const bool vec = C % VW == 0 && aligned16(a.values) &&
-                       aligned16(a.fout) && aligned16(a.grad_out);
-      const TileLayout L = make_layout(H, C, vec ? VW : 1, false);
-      const dim3 grid = row_grid(N, L.n_tiles, E * H);
+                       aligned16(fout.data_ptr()) && aligned16(a.grad_out) &&
+                       aligned16(a.gvalues);
       auto stream = at::cuda::getCurrentCUDAStream();
+      if (N * H + E * H > 0) {
+        const int64_t blocks =
+            std::min<int64_t>(ceil_div(std::max(N * H, E * H), kBlock),
+                              int64_t(num_sms()) * 16);
+        auto launch_dot = [&](auto v) {
+          row_dot_kernel<scalar_t, decltype(v)::value>
+              <<<blocks, kBlock, 0, stream>>>(a.grad_out,
+                                              fout.data_ptr<scalar_t>(),
+                                              delta.data_ptr<A>(), N * H, C,
+                                              a.gz, E * H);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        };
+        if (vec)
+          launch_dot(std::integral_constant<int, VW>());
+        else
+          launch_dot(std::integral_constant<int, 1>());
+      }
+      const TileLayout L = make_layout(H, C, vec ? VW : 1, false);
+      const dim3 grid = row_grid(Ns, L.n_tiles);
       dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
         attention_bwd_kernel<scalar_t, index_t, decltype(v)::value,
                              decltype(k)::value>
@@ -479,7 +576,7 @@ std::tuple<at::Tensor, at::Tensor> attention_backward_cuda(
       });
     });
   });
-  return {p, gz};
+  return {gvalues, gz, gsrc};
 }
 
 }  // namespace

@@ -38,6 +38,8 @@ void check_attention(const at::Tensor& rowptr, const at::Tensor& col,
 }
 
 void check_attention_backward(const at::Tensor& rowptr, const at::Tensor& col,
+                              const at::Tensor& colptr, const at::Tensor& row,
+                              const at::Tensor& perm,
                               const c10::optional<at::Tensor>& a_src,
                               const c10::optional<at::Tensor>& a_dst,
                               const c10::optional<at::Tensor>& a_edge,
@@ -47,6 +49,13 @@ void check_attention_backward(const at::Tensor& rowptr, const at::Tensor& col,
                               const at::Tensor& grad_out) {
   check_attention(rowptr, col, a_src, a_dst, a_edge, mask, values);
   const int64_t N = rowptr.numel() - 1;
+  check_index(colptr, rowptr, "colptr");
+  check_size(colptr, 0, values.size(0) + 1, "colptr", "one entry per source node plus one");
+  for (auto* t : {&row, &perm}) {
+    const char* name = t == &row ? "row" : "perm";
+    check_index(*t, rowptr, name);
+    check_size(*t, 0, col.numel(), name, "one entry per edge");
+  }
   for (auto* t : {&out, &grad_out}) {
     const char* name = t == &out ? "out" : "grad_out";
     check_float(*t, name, 3);
@@ -79,14 +88,18 @@ TORCH_LIBRARY_FRAGMENT(pyg_fastattn, m) {
   m.def("attention(Tensor rowptr, Tensor col, Tensor? a_src, Tensor? a_dst, "
         "Tensor? a_edge, Tensor? mask, Tensor values, float negative_slope) "
         "-> (Tensor, Tensor)");
-  // Returns (p [E, H], grad_z [E, H]) in CSR edge order:
-  //   p[e] = alpha[e] * mask[e]  (the weights spmm needs for grad_values)
+  // Gradients, in one pass over the transpose (colptr [Ns+1], row [E], perm
+  // [E]: CSR row and CSR position of each CSC entry), alpha recomputed from
+  // lse:
   //   g[e] = mask[e] * <grad_out[i, h], values[j, h]>
   //   grad_s[e] = alpha[e] * (g[e] - <grad_out[i, h], out[i, h]>)
   //   grad_z[e] = grad_s[e] * (z[e] > 0 ? 1 : negative_slope)
-  // Edges outside every row (e >= rowptr[N]) get 0 in both.
-  m.def("attention_backward(Tensor rowptr, Tensor col, Tensor? a_src, "
-        "Tensor? a_dst, Tensor? a_edge, Tensor? mask, Tensor values, "
-        "float negative_slope, Tensor out, Tensor lse, Tensor grad_out) "
-        "-> (Tensor, Tensor)");
+  //   grad_values[j] = sum_{e = (j -> i)} alpha[e] * mask[e] * grad_out[i]
+  //   grad_a_src[j] = sum_{e = (j -> i)} grad_z[e]
+  // Returns (grad_values [Ns, H, C], grad_z [E, H] in CSR order (0 outside
+  // every row), grad_a_src [Ns, H]); grad_a_dst is the CSR row sum of grad_z.
+  m.def("attention_backward(Tensor rowptr, Tensor col, Tensor colptr, "
+        "Tensor row, Tensor perm, Tensor? a_src, Tensor? a_dst, "
+        "Tensor? a_edge, Tensor? mask, Tensor values, float negative_slope, "
+        "Tensor out, Tensor lse, Tensor grad_out) -> (Tensor, Tensor, Tensor)");
 }

@@ -108,10 +108,6 @@ class FastGATConv(GATConv):
             if x_dst is not None:
                 x_dst = lin_dst(x_dst).view(-1, H, C)
 
-        # Per-node attention terms.
-        a_src = (x_src * self.att_src).sum(dim=-1)  # [Ns, H]
-        a_dst = None if x_dst is None else (x_dst * self.att_dst).sum(-1)
-
         graph = self._graph(edge_index, x_src, x_dst, size, edge_attr)
         if graph.device != x_src.device:
             raise ValueError(f'`edge_index` is on {graph.device} but `x` is '
@@ -123,16 +119,30 @@ class FastGATConv(GATConv):
         if self.training and self.dropout > 0:
             mask = self._dropout_mask(graph.num_aug, H, x_src)
 
-        need_alpha = bool(return_attention_weights)
-        values = x_src.contiguous()
-        if values.device.type == 'cpu' and values.dtype in _CPU_UPCAST:
-            values = values.float()  # CPU kernels take float32/float64
-        out = ops.attention(graph.rowptr, graph.col, values, a_src, a_dst,
-                            a_edge, mask, self.negative_slope, csc=graph.csc,
-                            return_lse=need_alpha)
-        if need_alpha:
-            out, lse = out
-        out = out.to(x_src.dtype)
+        h_src, h_dst = x_src, x_dst
+        att_src, att_dst = self.att_src, self.att_dst
+        dt = x_src.dtype
+        if x_src.device.type == 'cpu' and dt in _CPU_UPCAST:
+            # CPU kernels take float32/float64.
+            up = lambda t: None if t is None else t.float()  # noqa: E731
+            h_src, att_src, att_dst = up(h_src), up(att_src), up(att_dst)
+            h_dst = h_src if x_dst is x_src else up(h_dst)
+        cast = lambda t: None if t is None else t.to(h_src.dtype)  # noqa: E731
+        a_edge, mask = cast(a_edge), cast(mask)
+
+        if return_attention_weights:
+            a_src = (x_src * self.att_src).sum(dim=-1)  # [Ns, H]
+            a_dst = None if x_dst is None else (x_dst * self.att_dst).sum(-1)
+            out, lse = ops.attention(graph.rowptr, graph.col, h_src, a_src,
+                                     a_dst, a_edge, mask, self.negative_slope,
+                                     csc=graph.csc, return_lse=True)
+        else:  # the score terms inside the fused op: one autograd node
+            shared = h_dst is h_src
+            out = ops.gat_attention(graph.rowptr, graph.col, graph.csc, h_src,
+                                    att_src, None if shared else h_dst,
+                                    att_dst, a_edge, mask,
+                                    self.negative_slope, dst_is_src=shared)
+        out = out.to(dt)
 
         if self.concat:
             out = out.view(-1, H * C)
@@ -143,7 +153,7 @@ class FastGATConv(GATConv):
         if self.bias is not None:
             out = out + self.bias
 
-        if need_alpha:
+        if return_attention_weights:
             return out, self._attention_weights(graph, a_src, a_dst, a_edge,
                                                 mask, lse, edge_index)
         return out

@@ -19,33 +19,99 @@ class Attention(torch.autograd.Function):
         ctx.save_for_backward(rowptr, col, colptr, row_t, perm, a_src, a_dst,
                               a_edge, mask, values, out, lse)
         ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)  # no zeros for lse's gradient
         return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
+        if grad_out is None:
+            return (None, ) * 11
         (rowptr, col, colptr, row_t, perm, a_src, a_dst, a_edge, mask, values,
          out, lse) = ctx.saved_tensors
         K = _build.backend_for(values.device)
-        grad_out = grad_out.contiguous()
-        # One pass over CSR: p = alpha * mask and the gradient of z, per edge.
-        p, grad_z = K.attention_backward(rowptr, col, a_src, a_dst, a_edge,
-                                         mask, values, ctx.negative_slope, out,
-                                         lse, grad_out)
+        csc = maybe_csc(colptr, row_t, perm, rowptr, col, values.size(0))
+        # One pass over the transpose (no atomics): alpha recomputed from
+        # lse, grad_out[i] gathered once per edge for both grad_values and
+        # the score gradient grad_z (written in CSR order).
+        g_values, g_z, g_src = K.attention_backward(
+            rowptr, col, csc.colptr, csc.row, csc.perm, a_src, a_dst, a_edge,
+            mask, values, ctx.negative_slope, out, lse, grad_out.contiguous())
         need = ctx.needs_input_grad
-        g_src = g_dst = g_edge = g_values = None
-        if need[5] or need[9]:
-            csc = maybe_csc(colptr, row_t, perm, rowptr, col, values.size(0))
-            # One pass over CSC (no atomics): gradients of the source side.
-            if need[5]:
-                g_src = K.segment_sum(csc.colptr, csc.perm, grad_z)
-            if need[9]:
-                g_values = K.spmm(csc.colptr, csc.row, p, csc.perm, grad_out)
-        if need[6]:
-            g_dst = K.segment_sum(rowptr, None, grad_z)
-        if need[7]:
-            g_edge = grad_z
-        return (None, None, None, None, None, g_src, g_dst, g_edge, None,
-                g_values, None)
+        g_dst = K.segment_sum(rowptr, None, g_z) if need[6] else None
+        return (None, None, None, None, None, g_src if need[5] else None,
+                g_dst, g_z if need[7] else None, None,
+                g_values if need[9] else None, None)
+
+
+class GATAttention(torch.autograd.Function):
+    """``Attention`` with GAT's per-node score terms computed inside:
+    ``a_src = <h_src, att_src>``, ``a_dst = <h_dst, att_dst>`` (per head).
+    One autograd node per layer instead of one per elementwise op; backward
+    is the same CSC pass plus the small score-term products."""
+    @staticmethod
+    def forward(ctx, rowptr, col, colptr, row_t, perm, h_src, att_src, h_dst,
+                att_dst, a_edge, mask, negative_slope, dst_is_src):
+        a_src = (h_src * att_src).sum(-1)
+        hd = h_src if dst_is_src else h_dst
+        a_dst = None if hd is None else (hd * att_dst).sum(-1)
+        out, lse = _build.backend_for(h_src.device).attention(
+            rowptr, col, a_src, a_dst, a_edge, mask, h_src, negative_slope)
+        ctx.negative_slope, ctx.dst_is_src = negative_slope, dst_is_src
+        ctx.save_for_backward(rowptr, col, colptr, row_t, perm, h_src,
+                              att_src, h_dst, att_dst, a_src, a_dst, a_edge,
+                              mask, out, lse)
+        ctx.mark_non_differentiable(lse)
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, _grad_lse):
+        if grad_out is None:
+            return (None, ) * 13
+        (rowptr, col, colptr, row_t, perm, h_src, att_src, h_dst, att_dst,
+         a_src, a_dst, a_edge, mask, out, lse) = ctx.saved_tensors
+        K = _build.backend_for(h_src.device)
+        csc = maybe_csc(colptr, row_t, perm, rowptr, col, h_src.size(0))
+        g_h, g_z, g_src = K.attention_backward(
+            rowptr, col, csc.colptr, csc.row, csc.perm, a_src, a_dst, a_edge,
+            mask, h_src, ctx.negative_slope, out, lse, grad_out.contiguous())
+        g_h = g_h.addcmul_(g_src.unsqueeze(-1), att_src)
+        g_att_src = (g_src.unsqueeze(-1) * h_src).sum(0, keepdim=True)
+        g_h_dst = g_att_dst = None
+        if a_dst is not None:
+            g_dst = K.segment_sum(rowptr, None, g_z).unsqueeze(-1)
+            hd = h_src if ctx.dst_is_src else h_dst
+            g_att_dst = (g_dst * hd).sum(0, keepdim=True)
+            if ctx.dst_is_src:
+                g_h.addcmul_(g_dst, att_dst)
+            else:
+                g_h_dst = g_dst * att_dst
+        need = ctx.needs_input_grad
+        return (None, None, None, None, None, g_h, g_att_src, g_h_dst,
+                g_att_dst, g_z if need[9] else None, None, None, None)
+
+
+def gat_attention(rowptr: Tensor, col: Tensor, csc: Optional[CSC],
+                  h_src: Tensor, att_src: Tensor, h_dst: Optional[Tensor],
+                  att_dst: Tensor, a_edge: Optional[Tensor] = None,
+                  mask: Optional[Tensor] = None, negative_slope: float = 0.2,
+                  dst_is_src: bool = False) -> Tensor:
+    r"""GAT's attention layer core: :func:`attention` with
+    ``a_src = (h_src * att_src).sum(-1)`` and ``a_dst = (h_dst *
+    att_dst).sum(-1)`` computed inside one autograd node.
+
+    ``h_src`` [Ns, H, C] (also the values), ``att_src``/``att_dst`` [1, H, C],
+    ``h_dst`` [N, H, C] or None (no destination term, or ``dst_is_src``:
+    the destinations are the sources, ``h_dst = h_src``). ``a_edge`` and
+    ``mask`` [E, H] in CSR order, in ``h_src``'s dtype. Returns [N, H, C].
+    Indices are not validated here (see :func:`attention`).
+    """
+    colptr, row_t, perm = csc if csc is not None else (None, None, None)
+    out, _ = GATAttention.apply(rowptr, col, colptr, row_t, perm,
+                                h_src.contiguous(), att_src, h_dst, att_dst,
+                                a_edge, mask, float(negative_slope),
+                                bool(dst_is_src))
+    return out
 
 
 def attention(rowptr: Tensor, col: Tensor, values: Tensor,

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""Where the time of a GAT workload goes: ``torch.profiler`` tables of the
+fast layer (and PyG's) for the training epoch and one layer forward+backward.
+
+    python benchmarks/profile_gat.py --device cuda            # all workloads
+    python benchmarks/profile_gat.py --device cpu --only Cora
+
+Prints, per workload and provider: median time, number of dispatched aten
+ops (host overhead per op is what bounds small graphs) and the top kernels
+(CUDA) or ops (CPU) by self time. Not a benchmark of record; see
+``bench_gat.py`` for that.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import _util as U  # noqa: E402
+import bench_gat as B  # noqa: E402
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch_geometric.nn import GATConv  # noqa: E402
+
+from pyg_fastattn import FastGATConv  # noqa: E402
+
+
+class OpCount(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def epoch_fn(conv, name, dev):
+    data, _ = B.load_dataset(name)
+    x, ei, y = data.x.to(dev), data.edge_index.to(dev), data.y.to(dev)
+    idx = data.train_mask.nonzero().view(-1).to(dev)
+    torch.manual_seed(0)
+    m = B.GAT(conv, x.size(1), 8, int(data.y.max()) + 1).to(dev).train()
+    opt = torch.optim.Adam(m.parameters(), lr=0.005, weight_decay=5e-4)
+
+    def run():
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(m(x, ei).index_select(0, idx),
+                               y.index_select(0, idx))
+        loss.backward()
+        opt.step()
+    return run
+
+
+def layer_fn(conv, N, E, fin, H, C, dev):
+    gen = U.generator(dev, 11)
+    ei = torch.randint(N, (2, E), device=dev, generator=gen)
+    x = U.randn((N, fin), dev, 12)
+    gout = U.randn((N, H * C), dev, 13)
+    torch.manual_seed(0)
+    m = conv(fin, C, heads=H).to(dev).train()
+    params = list(m.parameters())
+    return lambda: torch.autograd.grad(m(x, ei), params, gout)
+
+
+def profile(label, fn, dev, rows):
+    t = U.time_fn(fn, dev, warmup=3, min_reps=5, max_reps=50, budget_s=2)
+    c = OpCount()
+    with c:
+        fn()
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if dev.type == 'cuda':
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=acts) as p:
+        for _ in range(3):
+            fn()
+        U.sync(dev)
+    key = 'self_cuda_time_total' if dev.type == 'cuda' else 'self_cpu_time_total'
+    print(f'\n=== {label}: median {t["median_ms"]:.3f} ms, wall '
+          f'{t["wall_ms"]:.3f} ms/call, {c.n} aten ops/call (3 calls below)')
+    print(p.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument('--device', default=None)
+    ap.add_argument('--only', default=None, help='substring filter')
+    ap.add_argument('--providers', default='fast,pyg')
+    ap.add_argument('--rows', type=int, default=18)
+    args = ap.parse_args()
+    dev = U.pick_device(args.device)
+    U.setup_threads(dev)
+    convs = {'fast': FastGATConv, 'pyg': GATConv}
+    if dev.type == 'cuda':
+        layers = [(100_000, 2_000_000, 128, 8, 16), (1_000_000, 20_000_000, 128, 4, 32)]
+    else:
+        layers = [(50_000, 1_000_000, 64, 4, 16)]
+    work = [(f'{n} epoch', lambda c, n=n: epoch_fn(c, n, dev)) for n in ('Cora', 'CiteSeer')]
+    work += [(f'layer {N}/{E} {fin}->{H}x{C} fwd+bwd',
+              lambda c, s=(N, E, fin, H, C): layer_fn(c, *s, dev))
+             for N, E, fin, H, C in layers]
+    for label, make in work:
+        if args.only and not any(s in label for s in args.only.split(',')):
+            continue
+        for prov in args.providers.split(','):
+            st, _, msg = U.guarded(lambda: profile(f'{label} [{prov}]', make(convs[prov]), dev,
+                                                   args.rows), dev)
+            if st != 'ok':
+                print(f'\n=== {label} [{prov}]: {st} {msg}')
+            U.free_memory(dev)
+
+
+if __name__ == '__main__':
+    main()
