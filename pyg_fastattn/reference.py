@@ -169,6 +169,7 @@ def attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
     grad_z = torch.where(finite, grad_z, torch.zeros_like(grad_z))
     # Source side over the transpose (the kernels' single CSC pass).
     grad_values = spmm(colptr, row_t, alpha * m, perm, grad_out.to(t))
-    grad_a_src = segment_sum(colptr, perm, grad_z)
+    grad_z = grad_z[perm]  # CSC order
+    grad_a_src = segment_sum(colptr, None, grad_z)
     dt = values.dtype
     return grad_values.to(dt), grad_z.to(dt), grad_a_src.to(dt)

@@ -132,8 +132,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
 // threads by edge count (parallel_rows on colptr); for each out-edge
 // e = (j -> i) (CSC entry k: i = row[k], e = perm[k]) alpha is recomputed
 // from lse[i], grad_out[i] is read once for both the score gradient and
-// grad_values[j], and grad_z[e] is written at its CSR position. Each output
-// has one writer, so the result does not depend on the thread count.
+// grad_values[j], and grad_z is written at CSC position k (in order). Each
+// output has one writer, so the result does not depend on the thread count.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& rowptr_, const at::Tensor& col_, const at::Tensor& colptr_,
     const at::Tensor& row_, const at::Tensor& perm_,
@@ -202,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
               const acc_t grad_s =
                   alpha * (mk * cpu::dot(g, vj + h * C, C) - dl[i * H + h]);
               const acc_t gz = z > 0 ? grad_s : grad_s * slope;
-              gz_ptr[e * H + h] = scalar_t(gz);
+              gz_ptr[k * H + h] = scalar_t(gz);
               gsrc[h] += gz;
               const acc_t p = alpha * mk;
               acc_t* a = acc + h * C;

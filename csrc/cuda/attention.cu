@@ -6,6 +6,14 @@ namespace pyg_fastattn {
 namespace cuda {
 namespace {
 
+// What the backward needs of destination row i, head h, in one load:
+// a_dst[i, h] (0 without a_dst), lse[i, h] and delta = <grad_out[i, h],
+// out[i, h]>.
+template <typename A>
+struct alignas(4 * sizeof(A)) RowInfo {
+  A adst, lse, delta, pad;
+};
+
 template <typename scalar_t, typename index_t>
 struct AttnArgs {
   const index_t* rowptr;
@@ -23,10 +31,10 @@ struct AttnArgs {
   const index_t* row_t;        // [E] CSR row of each CSC entry
   const index_t* perm;         // [E] CSR position of each CSC entry
   const acc_t<scalar_t>* lse;    // [N, H]
-  const acc_t<scalar_t>* delta;  // [N, H] <grad_out[i, h], out[i, h]>
+  RowInfo<acc_t<scalar_t>>* rinfo;  // [N, H] per-row terms of the backward
   const scalar_t* grad_out;    // [N, H, C]
   scalar_t* gvalues;           // [Ns, H, C]
-  scalar_t* gz;                // [E, H]
+  scalar_t* gz;                // [E, H], CSC order
   scalar_t* gsrc;              // [Ns, H]
   int64_t N, E, Ns;
   acc_t<scalar_t> slope;
@@ -190,60 +198,62 @@ __global__ void __launch_bounds__(kBlock)
   });
 }
 
-// Backward prologue (grid-stride over all threads): delta[t] = <x[t, :],
-// y[t, :]> over C elements, one thread per (node, head) t, V-element vector
-// loads when aligned; and zero[0, nzero) = 0 (grad_z, whose entries outside
-// every row no CSC entry writes).
-template <typename scalar_t, int V>
+// Backward prologue, one thread per (row i, head h) (grid-stride): packs
+// RowInfo {a_dst, lse, delta = <grad_out[i, h], out[i, h]>} (V-element
+// vector loads when aligned); all threads also zero grad_z at the CSC
+// positions outside every column (k >= colptr[Ns]), which no warp visits.
+template <typename scalar_t, typename index_t, int V>
 __global__ void __launch_bounds__(kBlock)
-    row_dot_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ y,
-                   acc_t<scalar_t>* __restrict__ out, int64_t rows, int64_t C,
-                   scalar_t* __restrict__ zero, int64_t nzero) {
+    bwd_prologue_kernel(AttnArgs<scalar_t, index_t> a,
+                        const scalar_t* __restrict__ fout, int H, int64_t C) {
   using A = acc_t<scalar_t>;
+  const int64_t tail = tail_begin(a.colptr, a.Ns, a.E);
+  const int64_t rows = a.N * H;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  for (int64_t k = first; k < nzero; k += stride) zero[k] = scalar_t(0.0f);
-  for (int64_t t = first; t < rows; t += stride) {
+  for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       t < rows; t += stride) {
     A d = A(0);
     for (int64_t c = 0; c < C; c += V) {
-      const Vec<scalar_t, V> u = load_vec<scalar_t, V>(x + t * C + c);
-      const Vec<scalar_t, V> w = load_vec<scalar_t, V>(y + t * C + c);
+      const Vec<scalar_t, V> u = load_vec<scalar_t, V>(a.grad_out + t * C + c);
+      const Vec<scalar_t, V> w = load_vec<scalar_t, V>(fout + t * C + c);
 #pragma unroll
       for (int v = 0; v < V; ++v) d += vec_get(u, v) * vec_get(w, v);
     }
-    out[t] = d;
+    RowInfo<A> r;
+    r.adst = a.a_dst != nullptr ? to_acc(a.a_dst[t]) : A(0);
+    r.lse = a.lse[t];
+    r.delta = d;
+    r.pad = A(0);
+    a.rinfo[t] = r;
   }
+  zero_from(tail, a.E, H, a.gz);
 }
 
-// Weight of CSC entry (j -> i, CSR position e) for head h, alpha recomputed
-// from the row's lse: returns alpha (0 for rows without weight, fin false)
-// and sets z and mk (the dropout multiplier).
-template <typename scalar_t, typename index_t, typename A>
-__device__ __forceinline__ A bwd_alpha(const AttnArgs<scalar_t, index_t>& a,
-                                       int H, int64_t i, int64_t e, int h,
-                                       A asrc, A& z, A& mk, bool& fin) {
-  z = asrc;  // the reference's order: a_src + a_dst + a_edge
-  if (a.a_dst != nullptr) z += to_acc(a.a_dst[i * H + h]);
-  if (a.a_edge != nullptr) z += to_acc(a.a_edge[e * H + h]);
-  const A l = a.lse[i * H + h];
-  fin = is_finite(l);
-  mk = a.mask != nullptr ? to_acc(a.mask[e * H + h]) : A(1);
-  return fin ? pfa_exp(leaky(z, a.slope) - l) : A(0);
+// Recomputed forward weight of one (edge, head) for the backward, from the
+// row's packed terms: z = a_src + a_dst + a_edge (the reference's order),
+// alpha = exp(leaky(z) - lse) (0 where lse is not finite: fin = false).
+template <typename A>
+__device__ __forceinline__ A bwd_alpha(A asrc, const RowInfo<A>& r, A aedge,
+                                       A slope, A& z, bool& fin) {
+  z = asrc + r.adst + aedge;
+  fin = is_finite(r.lse);
+  return fin ? pfa_exp(leaky(z, slope) - r.lse) : A(0);
 }
 
 // Backward, one pass over the transpose: one warp per (source node j, head
 // tile), same lane layout as the forward with whole heads per warp (heads
 // of more than 32 units: each lane walks units cl + 32*kc). The lane's units
 // of values[j] stay in registers. Lane (es, hs, cl) walks CSC entries
-// es + ES*k (EB in flight; i = row[k], e = perm[k]), gathers its units of
-// grad_out[i], reduces <grad_out[i,h], values[j,h]> over the head's LH
-// lanes, recomputes alpha from lse[i] and accumulates alpha*mask*grad_out[i]
-// (grad_values) and grad_z (grad_a_src); lane cl == 0 writes grad_z[e, h].
-// Edge slots are summed with shuffles; columns with more than kCoopEdges
-// entries are shared by the 8 warps of the block and combined in shared
-// memory in a fixed order (no atomics: bitwise deterministic). Units
-// beyond the first 32 of a head (streaming mode) get their grad_values in
-// extra passes over the column.
+// k = es + ES*t (EB in flight; i = row[k], e = perm[k]): it first issues
+// every load of the batch (RowInfo of (i, h), a_edge / mask of (e, h), its
+// units of grad_out[i]), then reduces <grad_out[i,h], values[j,h]> over the
+// head's LH lanes, recomputes alpha and accumulates alpha*mask*grad_out[i]
+// (grad_values) and grad_z (grad_a_src); lane cl == 0 writes grad_z[k, h]
+// (CSC order: consecutive entries, coalesced). Edge slots are summed with
+// shuffles; columns with more than kCoopEdges entries are shared by the 8
+// warps of the block and combined in shared memory in a fixed order (no
+// atomics: bitwise deterministic). Units beyond the first 32 of a head
+// (streaming mode) get their grad_values in extra passes over the column.
 template <typename scalar_t, typename index_t, int V, int KHQ>
 __global__ void __launch_bounds__(kBlock)
     attention_bwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
@@ -253,6 +263,10 @@ __global__ void __launch_bounds__(kBlock)
   __shared__ A s_red[kWarpsPerBlock * kWarp * KHQ * V];
   const int H = L.H;
   const int64_t D = static_cast<int64_t>(H) * L.C;
+  const scalar_t* __restrict__ grad_out = a.grad_out;
+  const RowInfo<A>* __restrict__ rinfo = a.rinfo;
+  const scalar_t* __restrict__ a_edge = a.a_edge;
+  const scalar_t* __restrict__ mask = a.mask;
   run_rows(a.colptr, a.Ns, a.E, s_long, [&](int64_t node, int rank, int nranks) {
     const LaneTile<KHQ> T =
         decode_tile<KHQ>(L, V, node, static_cast<int>(blockIdx.y), lane_id());
@@ -275,6 +289,27 @@ __global__ void __launch_bounds__(kBlock)
         in_[b] = okn[b] ? static_cast<int64_t>(a.row_t[k]) : 0;
         en_[b] = okn[b] ? static_cast<int64_t>(a.perm[k]) : 0;
       }
+    };
+    // Per-(edge, head) terms of a batch: row info, a_edge, mask.
+    auto load_terms = [&](const int64_t (&i)[EB], const int64_t (&e)[EB],
+                          const bool (&ok)[EB], RowInfo<A> (&ri)[EB][KHQ],
+                          A (&ae)[EB][KHQ], A (&mk)[EB][KHQ]) {
+#pragma unroll
+      for (int b = 0; b < EB; ++b)
+#pragma unroll
+        for (int kh = 0; kh < KHQ; ++kh) {
+          const bool use = ok[b] && T.hok[kh];
+          const int h = T.h[kh];
+          if (use) {
+            ri[b][kh] = rinfo[i[b] * H + h];
+          } else {
+            ri[b][kh].adst = A(0);
+            ri[b][kh].lse = neg_inf<A>();  // alpha 0
+            ri[b][kh].delta = A(0);
+          }
+          ae[b][kh] = (use && a_edge != nullptr) ? to_acc(a_edge[e[b] * H + h]) : A(0);
+          mk[b][kh] = (use && mask != nullptr) ? to_acc(mask[e[b] * H + h]) : A(1);
+        }
     };
     auto take = [&](int64_t (&i)[EB], int64_t (&e)[EB], bool (&ok)[EB]) {
 #pragma unroll
@@ -306,8 +341,13 @@ __global__ void __launch_bounds__(kBlock)
     // The trip count is uniform over the warp (shuffles inside).
     for (int64_t e0 = start + rank * batch; e0 < end; e0 += step) {
       int64_t i[EB], e[EB];
-      bool ok[EB];
+      bool ok[EB], wr[EB];
       take(i, e, ok);
+#pragma unroll
+      for (int b = 0; b < EB; ++b) wr[b] = okn[b];
+      RowInfo<A> ri[EB][KHQ];
+      A ae[EB][KHQ], mk[EB][KHQ];
+      load_terms(i, e, ok, ri, ae, mk);
       Vec<scalar_t, V> raw[EB][KHQ];
 #pragma unroll
       for (int b = 0; b < EB; ++b)
@@ -315,8 +355,9 @@ __global__ void __launch_bounds__(kBlock)
         for (int kh = 0; kh < KHQ; ++kh)
           raw[b][kh] =
               (ok[b] && T.uok[kh])
-                  ? load_vec<scalar_t, V>(a.grad_out + i[b] * D + T.uoff[kh])
+                  ? load_vec<scalar_t, V>(grad_out + i[b] * D + T.uoff[kh])
                   : zero_vec<scalar_t, V>();
+      load_idx(e0 + step);  // next batch's indices, in flight meanwhile
       A dot[EB][KHQ];
 #pragma unroll
       for (int b = 0; b < EB; ++b)
@@ -337,7 +378,7 @@ __global__ void __launch_bounds__(kBlock)
           for (int b = 0; b < EB; ++b) {
             if (!ok[b]) continue;
             const Vec<scalar_t, V> g =
-                load_vec<scalar_t, V>(a.grad_out + i[b] * D + off);
+                load_vec<scalar_t, V>(grad_out + i[b] * D + off);
 #pragma unroll
             for (int v = 0; v < V; ++v)
               dot[b][0] += vec_get(g, v) * vec_get(r, v);
@@ -350,25 +391,23 @@ __global__ void __launch_bounds__(kBlock)
         for (int kh = 0; kh < KHQ; ++kh) dot[b][kh] = xor_sum(dot[b][kh], 1, T.LH);
 #pragma unroll
       for (int b = 0; b < EB; ++b) {
-        if (!ok[b]) continue;
 #pragma unroll
         for (int kh = 0; kh < KHQ; ++kh) {
-          if (!T.hok[kh]) continue;
-          const int h = T.h[kh];
-          A z, mk;
+          A z;
           bool fin;
-          const A alpha = bwd_alpha(a, H, i[b], e[b], h, asrc[kh], z, mk, fin);
-          if (!fin) continue;
-          const A gs = alpha * (mk * dot[b][kh] - a.delta[i[b] * H + h]);
-          const A gzv = z > A(0) ? gs : gs * a.slope;
-          if (T.cl == 0) a.gz[e[b] * H + h] = from_acc<scalar_t>(gzv);
+          const A alpha = bwd_alpha(asrc[kh], ri[b][kh], ae[b][kh], a.slope, z, fin);
+          const A gs = alpha * (mk[b][kh] * dot[b][kh] - ri[b][kh].delta);
+          const A gzv = fin ? (z > A(0) ? gs : gs * a.slope) : A(0);
+          if (wr[b] && T.hok[kh] && T.cl == 0) {
+            const int64_t k = e0 + static_cast<int64_t>(b) * T.ES + T.es;
+            a.gz[k * H + T.h[kh]] = from_acc<scalar_t>(gzv);
+          }
           gsrc[kh][0] += gzv;
-          const A p = alpha * mk;
+          const A p = alpha * mk[b][kh];
 #pragma unroll
           for (int v = 0; v < V; ++v) acc[kh][v] += p * vec_get(raw[b][kh], v);
         }
       }
-      load_idx(e0 + step);
     }
     reduce_edge_slots<V, KHQ>(T, acc);
     reduce_edge_slots<1, KHQ>(T, gsrc);
@@ -397,18 +436,22 @@ __global__ void __launch_bounds__(kBlock)
         int64_t i[EB], e[EB];
         bool ok[EB];
         take(i, e, ok);
+        RowInfo<A> ri[EB][KHQ];
+        A ae[EB][KHQ], mk[EB][KHQ];
+        load_terms(i, e, ok, ri, ae, mk);
+        load_idx(e0 + step);
 #pragma unroll
         for (int b = 0; b < EB; ++b) {
           if (!ok[b] || !uk) continue;
-          A z, mk;
+          A z;
           bool fin;
-          const A alpha = bwd_alpha(a, H, i[b], e[b], T.h[0], asrc[0], z, mk, fin);
+          const A p = bwd_alpha(asrc[0], ri[b][0], ae[b][0], a.slope, z, fin) *
+                      mk[b][0];
           const Vec<scalar_t, V> g =
-              load_vec<scalar_t, V>(a.grad_out + i[b] * D + off);
+              load_vec<scalar_t, V>(grad_out + i[b] * D + off);
 #pragma unroll
-          for (int v = 0; v < V; ++v) acc2[0][v] += alpha * mk * vec_get(g, v);
+          for (int v = 0; v < V; ++v) acc2[0][v] += p * vec_get(g, v);
         }
-        load_idx(e0 + step);
       }
       if (nranks > 1) block_sum<V, 1>(acc2, s_red, rank, nranks);
       if (rank == 0 && uk) {
@@ -526,10 +569,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   const int64_t E = col.numel();
   const int64_t Ns = values.size(0), H = values.size(1), C = values.size(2);
   at::Tensor gvalues = at::empty({Ns, H, C}, values.options());
-  at::Tensor gz = at::empty({E, H}, values.options());  // zeroed by row_dot
+  at::Tensor gz = at::empty({E, H}, values.options());  // tail zeroed in-kernel
   at::Tensor gsrc = at::empty({Ns, H}, values.options());
-  at::Tensor delta = at::empty({N, H}, lse.options());
   if (Ns * H == 0) return {gvalues, gz.zero_(), gsrc};
+  // RowInfo [N, H] as raw bytes (4 accumulators each).
+  at::Tensor rinfo = at::empty({std::max<int64_t>(N * H, 1), 4}, lse.options());
   PFA_DISPATCH_FLOATS(values.scalar_type(), "attention_backward_cuda", [&] {
     PFA_DISPATCH_INDEX(rowptr.scalar_type(), "attention_backward_cuda", [&] {
       using A = acc_t<scalar_t>;
@@ -539,7 +583,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
       a.row_t = row_t.data_ptr<index_t>();
       a.perm = perm.data_ptr<index_t>();
       a.lse = lse.data_ptr<A>();
-      a.delta = delta.data_ptr<A>();
+      a.rinfo = reinterpret_cast<RowInfo<A>*>(rinfo.data_ptr<A>());
       a.grad_out = grad_out.data_ptr<scalar_t>();
       a.gvalues = gvalues.data_ptr<scalar_t>();
       a.gz = gz.data_ptr<scalar_t>();
@@ -549,23 +593,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
                        aligned16(fout.data_ptr()) && aligned16(a.grad_out) &&
                        aligned16(a.gvalues);
       auto stream = at::cuda::getCurrentCUDAStream();
-      if (N * H + E * H > 0) {
-        const int64_t blocks =
-            std::min<int64_t>(ceil_div(std::max(N * H, E * H), kBlock),
-                              int64_t(num_sms()) * 16);
-        auto launch_dot = [&](auto v) {
-          row_dot_kernel<scalar_t, decltype(v)::value>
-              <<<blocks, kBlock, 0, stream>>>(a.grad_out,
-                                              fout.data_ptr<scalar_t>(),
-                                              delta.data_ptr<A>(), N * H, C,
-                                              a.gz, E * H);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        };
-        if (vec)
-          launch_dot(std::integral_constant<int, VW>());
-        else
-          launch_dot(std::integral_constant<int, 1>());
-      }
+      const int64_t blocks =
+          std::min<int64_t>(ceil_div(std::max<int64_t>(N * H, E * H), kBlock),
+                            int64_t(num_sms()) * 16);
+      auto prologue = [&](auto v) {
+        bwd_prologue_kernel<scalar_t, index_t, decltype(v)::value>
+            <<<std::max<int64_t>(blocks, 1), kBlock, 0, stream>>>(
+                a, fout.data_ptr<scalar_t>(), static_cast<int>(H), C);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if (vec)
+        prologue(std::integral_constant<int, VW>());
+      else
+        prologue(std::integral_constant<int, 1>());
       const TileLayout L = make_layout(H, C, vec ? VW : 1, false);
       const dim3 grid = row_grid(Ns, L.n_tiles);
       dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {

@@ -8,16 +8,31 @@ from ._checks import check_csr, check_same_device, check_tensor, index_pair
 from .csr import CSC, maybe_csc
 
 
+def _csc_parts(csc: Optional[CSC]):
+    return tuple(csc) if csc is not None else (None, ) * 4
+
+
+def _backward(K, rowptr, col, csc, a_src, a_dst, a_edge, mask, values, slope,
+              out, lse, grad_out):
+    """The single CSC pass; returns (grad_values, grad_z in CSC order,
+    grad_a_src, csc)."""
+    csc = maybe_csc(csc, rowptr, col, values.size(0))
+    g_values, g_z, g_src = K.attention_backward(
+        rowptr, col, csc.colptr, csc.row, csc.perm, a_src, a_dst, a_edge,
+        mask, values, slope, out, lse, grad_out.contiguous())
+    return g_values, g_z, g_src, csc
+
+
 class Attention(torch.autograd.Function):
     """Fused score + row softmax + aggregation; see ``attention``."""
     @staticmethod
-    def forward(ctx, rowptr, col, colptr, row_t, perm, a_src, a_dst, a_edge,
-                mask, values, negative_slope):
+    def forward(ctx, rowptr, col, colptr, row_t, perm, inv, a_src, a_dst,
+                a_edge, mask, values, negative_slope):
         out, lse = _build.backend_for(values.device).attention(
             rowptr, col, a_src, a_dst, a_edge, mask, values, negative_slope)
         ctx.negative_slope = negative_slope
-        ctx.save_for_backward(rowptr, col, colptr, row_t, perm, a_src, a_dst,
-                              a_edge, mask, values, out, lse)
+        ctx.save_for_backward(rowptr, col, colptr, row_t, perm, inv, a_src,
+                              a_dst, a_edge, mask, values, out, lse)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)  # no zeros for lse's gradient
         return out, lse
@@ -25,41 +40,67 @@ class Attention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         if grad_out is None:
-            return (None, ) * 11
-        (rowptr, col, colptr, row_t, perm, a_src, a_dst, a_edge, mask, values,
-         out, lse) = ctx.saved_tensors
+            return (None, ) * 12
+        (rowptr, col, *csc, a_src, a_dst, a_edge, mask, values, out,
+         lse) = ctx.saved_tensors
         K = _build.backend_for(values.device)
-        csc = maybe_csc(colptr, row_t, perm, rowptr, col, values.size(0))
         # One pass over the transpose (no atomics): alpha recomputed from
         # lse, grad_out[i] gathered once per edge for both grad_values and
-        # the score gradient grad_z (written in CSR order).
-        g_values, g_z, g_src = K.attention_backward(
-            rowptr, col, csc.colptr, csc.row, csc.perm, a_src, a_dst, a_edge,
-            mask, values, ctx.negative_slope, out, lse, grad_out.contiguous())
+        # the score gradient grad_z.
+        g_values, g_z, g_src, csc = _backward(
+            K, rowptr, col, csc, a_src, a_dst, a_edge, mask, values,
+            ctx.negative_slope, out, lse, grad_out)
         need = ctx.needs_input_grad
-        g_dst = K.segment_sum(rowptr, None, g_z) if need[6] else None
-        return (None, None, None, None, None, g_src if need[5] else None,
-                g_dst, g_z if need[7] else None, None,
-                g_values if need[9] else None, None)
+        g_dst = K.segment_sum(rowptr, csc.inv, g_z) if need[7] else None
+        g_edge = g_z.index_select(0, csc.inv) if need[8] else None
+        return (None, ) * 6 + (g_src if need[6] else None, g_dst, g_edge,
+                               None, g_values if need[10] else None, None)
+
+
+def _score_weight(att: Tensor) -> Tensor:
+    """Block-diagonal [H * C, K * H] matrix B of the score vectors att
+    [K, H, C], so that ``h.view(N, H * C) @ B`` = ``(h * att[k]).sum(-1)``
+    for each k side by side (one GEMM reads h once)."""
+    K, H, C = att.shape
+    return torch.diag_embed(att.permute(2, 0, 1), dim1=0,
+                            dim2=3).reshape(H * C, K * H)
+
+
+def _score_weight_grad(h: Tensor, g: Tensor, K: int) -> Tensor:
+    """Gradient of att [K, H, C] in ``h.view(N, H*C) @ _score_weight(att)``
+    given the output gradient g [N, K * H]: [K, H, C]."""
+    N, H, C = h.shape
+    gb = h.reshape(N, H * C).t().mm(g).view(H, C, K, H)
+    return gb.diagonal(dim1=0, dim2=3).permute(1, 2, 0)
 
 
 class GATAttention(torch.autograd.Function):
     """``Attention`` with GAT's per-node score terms computed inside:
-    ``a_src = <h_src, att_src>``, ``a_dst = <h_dst, att_dst>`` (per head).
-    One autograd node per layer instead of one per elementwise op; backward
-    is the same CSC pass plus the small score-term products."""
+    ``a_src = <h_src, att_src>``, ``a_dst = <h_dst, att_dst>`` per head, as
+    one GEMM against a block-diagonal matrix. One autograd node per layer;
+    backward is the CSC pass plus two GEMMs for the score vectors."""
     @staticmethod
-    def forward(ctx, rowptr, col, colptr, row_t, perm, h_src, att_src, h_dst,
-                att_dst, a_edge, mask, negative_slope, dst_is_src):
-        a_src = (h_src * att_src).sum(-1)
-        hd = h_src if dst_is_src else h_dst
-        a_dst = None if hd is None else (hd * att_dst).sum(-1)
+    def forward(ctx, rowptr, col, colptr, row_t, perm, inv, h_src, att_src,
+                h_dst, att_dst, a_edge, mask, negative_slope, dst_is_src):
+        Ns, H, C = h_src.shape
+        if dst_is_src:  # one GEMM for both terms
+            B = _score_weight(torch.cat([att_src, att_dst]))
+            a = h_src.view(Ns, H * C).mm(B)
+            a_src, a_dst = a[:, :H].contiguous(), a[:, H:].contiguous()
+            B_dst = None
+        else:
+            B = _score_weight(att_src)
+            a_src = h_src.view(Ns, H * C).mm(B)
+            B_dst = a_dst = None
+            if h_dst is not None:
+                B_dst = _score_weight(att_dst)
+                a_dst = h_dst.reshape(-1, H * C).mm(B_dst)
         out, lse = _build.backend_for(h_src.device).attention(
             rowptr, col, a_src, a_dst, a_edge, mask, h_src, negative_slope)
         ctx.negative_slope, ctx.dst_is_src = negative_slope, dst_is_src
-        ctx.save_for_backward(rowptr, col, colptr, row_t, perm, h_src,
-                              att_src, h_dst, att_dst, a_src, a_dst, a_edge,
-                              mask, out, lse)
+        ctx.save_for_backward(rowptr, col, colptr, row_t, perm, inv, h_src,
+                              h_dst, B, B_dst, a_src, a_dst, a_edge, mask, out,
+                              lse)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -67,28 +108,34 @@ class GATAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         if grad_out is None:
-            return (None, ) * 13
-        (rowptr, col, colptr, row_t, perm, h_src, att_src, h_dst, att_dst,
-         a_src, a_dst, a_edge, mask, out, lse) = ctx.saved_tensors
+            return (None, ) * 14
+        (rowptr, col, *csc, h_src, h_dst, B, B_dst, a_src, a_dst, a_edge, mask,
+         out, lse) = ctx.saved_tensors
         K = _build.backend_for(h_src.device)
-        csc = maybe_csc(colptr, row_t, perm, rowptr, col, h_src.size(0))
-        g_h, g_z, g_src = K.attention_backward(
-            rowptr, col, csc.colptr, csc.row, csc.perm, a_src, a_dst, a_edge,
-            mask, h_src, ctx.negative_slope, out, lse, grad_out.contiguous())
-        g_h = g_h.addcmul_(g_src.unsqueeze(-1), att_src)
-        g_att_src = (g_src.unsqueeze(-1) * h_src).sum(0, keepdim=True)
-        g_h_dst = g_att_dst = None
+        g_h, g_z, g_src, csc = _backward(
+            K, rowptr, col, csc, a_src, a_dst, a_edge, mask, h_src,
+            ctx.negative_slope, out, lse, grad_out)
+        Ns, H, C = h_src.shape
+        g_dst = None
         if a_dst is not None:
-            g_dst = K.segment_sum(rowptr, None, g_z).unsqueeze(-1)
-            hd = h_src if ctx.dst_is_src else h_dst
-            g_att_dst = (g_dst * hd).sum(0, keepdim=True)
-            if ctx.dst_is_src:
-                g_h.addcmul_(g_dst, att_dst)
-            else:
-                g_h_dst = g_dst * att_dst
-        need = ctx.needs_input_grad
-        return (None, None, None, None, None, g_h, g_att_src, g_h_dst,
-                g_att_dst, g_z if need[9] else None, None, None, None)
+            g_dst = K.segment_sum(rowptr, csc.inv, g_z)
+        g_h2 = g_h.view(Ns, H * C)
+        g_h_dst = g_att_dst = None
+        if ctx.dst_is_src:
+            g_a = torch.cat([g_src, g_dst], dim=1)
+            g_h2.addmm_(g_a, B.t())
+            g_att = _score_weight_grad(h_src, g_a, 2)
+            g_att_src, g_att_dst = g_att[:1], g_att[1:]
+        else:
+            g_h2.addmm_(g_src, B.t())
+            g_att_src = _score_weight_grad(h_src, g_src, 1)
+            if g_dst is not None:
+                g_h_dst = g_dst.mm(B_dst.t()).view(h_dst.shape)
+                g_att_dst = _score_weight_grad(h_dst, g_dst, 1)
+        g_edge = g_z.index_select(0, csc.inv) if ctx.needs_input_grad[10] \
+            else None
+        return (None, ) * 6 + (g_h, g_att_src, g_h_dst, g_att_dst, g_edge,
+                               None, None, None)
 
 
 def gat_attention(rowptr: Tensor, col: Tensor, csc: Optional[CSC],
@@ -106,11 +153,10 @@ def gat_attention(rowptr: Tensor, col: Tensor, csc: Optional[CSC],
     ``mask`` [E, H] in CSR order, in ``h_src``'s dtype. Returns [N, H, C].
     Indices are not validated here (see :func:`attention`).
     """
-    colptr, row_t, perm = csc if csc is not None else (None, None, None)
-    out, _ = GATAttention.apply(rowptr, col, colptr, row_t, perm,
-                                h_src.contiguous(), att_src, h_dst, att_dst,
-                                a_edge, mask, float(negative_slope),
-                                bool(dst_is_src))
+    out, _ = GATAttention.apply(rowptr, col, *_csc_parts(csc),
+                                h_src.contiguous(), att_src.contiguous(),
+                                h_dst, att_dst.contiguous(), a_edge, mask,
+                                float(negative_slope), bool(dst_is_src))
     return out
 
 
@@ -138,8 +184,7 @@ def attention(rowptr: Tensor, col: Tensor, values: Tensor,
     dt = values.dtype
     args = [t.to(dt) if t is not None else None
             for t in (a_src, a_dst, a_edge, mask)]
-    colptr, row_t, perm = csc if csc is not None else (None, None, None)
-    out, lse = Attention.apply(rowptr, col, colptr, row_t, perm, *args, values,
+    out, lse = Attention.apply(rowptr, col, *_csc_parts(csc), *args, values,
                                float(negative_slope))
     return (out, lse) if return_lse else out
 

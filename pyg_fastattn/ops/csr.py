@@ -13,13 +13,15 @@ __all__ = ['CSC', 'csr_to_csc', 'rows_of']
 class CSC(NamedTuple):
     """The transpose of a CSR graph.
 
-    ``colptr`` [num_cols + 1], ``row`` [E] (the CSR row of each CSC entry) and
+    ``colptr`` [num_cols + 1], ``row`` [E] (the CSR row of each CSC entry),
     ``perm`` [E] (the CSR position of each CSC entry), so that
-    ``col[perm[k]]`` is the column of CSC entry ``k``.
+    ``col[perm[k]]`` is the column of CSC entry ``k``, and ``inv`` [E] (its
+    inverse: the CSC position of each CSR position).
     """
     colptr: Tensor
     row: Tensor
     perm: Tensor
+    inv: Tensor
 
 
 def csr_to_csc(rowptr: Tensor, col: Tensor, num_cols: int,
@@ -42,13 +44,15 @@ def csr_to_csc(rowptr: Tensor, col: Tensor, num_cols: int,
     perm = torch.argsort(key, stable=True)
     bounds = torch.arange(num_cols + 1, device=col.device, dtype=key.dtype)
     colptr = torch.searchsorted(key[perm], bounds).to(rowptr.dtype)
-    return CSC(colptr, row[perm].to(rowptr.dtype), perm.to(rowptr.dtype))
+    inv = torch.empty_like(perm).scatter_(
+        0, perm, torch.arange(E, device=col.device))
+    dt = rowptr.dtype
+    return CSC(colptr, row[perm].to(dt), perm.to(dt), inv.to(dt))
 
 
-def maybe_csc(colptr: Optional[Tensor], row: Optional[Tensor],
-              perm: Optional[Tensor], rowptr: Tensor, col: Tensor,
+def maybe_csc(csc: Optional[CSC], rowptr: Tensor, col: Tensor,
               num_cols: int) -> CSC:
-    """The given CSC parts, or the transpose built now (for backward)."""
-    if colptr is not None:
-        return CSC(colptr, row, perm)
+    """The given CSC, or the transpose built now (for backward)."""
+    if csc is not None and csc[0] is not None:
+        return CSC(*csc)
     return csr_to_csc(rowptr, col, num_cols, validate=False)

@@ -10,24 +10,25 @@ from .csr import CSC, maybe_csc, rows_of
 
 class SpMM(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rowptr, col, colptr, row_t, perm, weight, values):
-        ctx.save_for_backward(rowptr, col, colptr, row_t, perm, weight, values)
+    def forward(ctx, rowptr, col, colptr, row_t, perm, inv, weight, values):
+        ctx.save_for_backward(rowptr, col, colptr, row_t, perm, inv, weight,
+                              values)
         return _build.backend_for(values.device).spmm(rowptr, col, weight, None, values)
 
     @staticmethod
     def backward(ctx, grad_out):
-        rowptr, col, colptr, row_t, perm, weight, values = ctx.saved_tensors
+        rowptr, col, *csc, weight, values = ctx.saved_tensors
         K = _build.backend_for(values.device)
         grad_out = grad_out.contiguous()
         gw = gv = None
-        if ctx.needs_input_grad[5]:
+        if ctx.needs_input_grad[6]:
             row = rows_of(rowptr, col.numel())
             gw = K.sddmm_dot(grad_out, values, row, col)
-        if ctx.needs_input_grad[6]:
-            csc = maybe_csc(colptr, row_t, perm, rowptr, col, values.size(0))
+        if ctx.needs_input_grad[7]:
+            csc = maybe_csc(csc, rowptr, col, values.size(0))
             wperm = csc.perm if weight is not None else None
             gv = K.spmm(csc.colptr, csc.row, weight, wperm, grad_out)
-        return None, None, None, None, None, gw, gv
+        return None, None, None, None, None, None, gw, gv
 
 
 def spmm(rowptr: Tensor, col: Tensor, weights: Optional[Tensor], values: Tensor,
@@ -69,7 +70,7 @@ def spmm(rowptr: Tensor, col: Tensor, weights: Optional[Tensor], values: Tensor,
         elif w.size(1) != v.size(1):
             raise ValueError(f'`weights` has {w.size(1)} heads but `values` '
                              f'has {v.size(1)}')
-    out = SpMM.apply(rowptr, col, *(csc or (None, ) * 3), w, v)
+    out = SpMM.apply(rowptr, col, *(csc or (None, ) * 4), w, v)
     return out.squeeze(1) if squeeze else out
 
 
