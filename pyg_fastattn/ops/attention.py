@@ -13,19 +13,14 @@ def _csc_parts(csc: Optional[CSC]):
 
 
 def _backward(K, rowptr, col, csc, a_src, a_dst, a_edge, mask, values, slope,
-              out, lse, grad_out, need_edge: bool, need_dst: bool):
-    """The single CSC pass. Returns (grad_values, grad_a_src, grad_a_dst or
-    None, grad_z in CSR order or None). grad_z comes in CSR order (scattered
-    writes) only when its per-edge values are needed: a gather by ``inv``
-    afterwards costs more than the whole pass."""
+              out, lse, grad_out):
+    """The single CSC pass; returns (grad_values, grad_z in CSC order,
+    grad_a_src, csc)."""
     csc = maybe_csc(csc, rowptr, col, values.size(0))
     g_values, g_z, g_src = K.attention_backward(
         rowptr, col, csc.colptr, csc.row, csc.perm, a_src, a_dst, a_edge,
-        mask, values, slope, out, lse, grad_out.contiguous(), need_edge)
-    g_dst = None
-    if need_dst:
-        g_dst = K.segment_sum(rowptr, None if need_edge else csc.inv, g_z)
-    return g_values, g_src, g_dst, g_z if need_edge else None
+        mask, values, slope, out, lse, grad_out.contiguous())
+    return g_values, g_z, g_src, csc
 
 
 class Attention(torch.autograd.Function):
@@ -52,10 +47,12 @@ class Attention(torch.autograd.Function):
         # One pass over the transpose (no atomics): alpha recomputed from
         # lse, grad_out[i] gathered once per edge for both grad_values and
         # the score gradient grad_z.
-        need = ctx.needs_input_grad
-        g_values, g_src, g_dst, g_edge = _backward(
+        g_values, g_z, g_src, csc = _backward(
             K, rowptr, col, csc, a_src, a_dst, a_edge, mask, values,
-            ctx.negative_slope, out, lse, grad_out, need[8], need[7])
+            ctx.negative_slope, out, lse, grad_out)
+        need = ctx.needs_input_grad
+        g_dst = K.segment_sum(rowptr, csc.inv, g_z) if need[7] else None
+        g_edge = g_z.index_select(0, csc.inv) if need[8] else None
         return (None, ) * 6 + (g_src if need[6] else None, g_dst, g_edge,
                                None, g_values if need[10] else None, None)
 
@@ -115,11 +112,13 @@ class GATAttention(torch.autograd.Function):
         (rowptr, col, *csc, h_src, h_dst, B, B_dst, a_src, a_dst, a_edge, mask,
          out, lse) = ctx.saved_tensors
         K = _build.backend_for(h_src.device)
-        g_h, g_src, g_dst, g_edge = _backward(
+        g_h, g_z, g_src, csc = _backward(
             K, rowptr, col, csc, a_src, a_dst, a_edge, mask, h_src,
-            ctx.negative_slope, out, lse, grad_out, ctx.needs_input_grad[10],
-            a_dst is not None)
+            ctx.negative_slope, out, lse, grad_out)
         Ns, H, C = h_src.shape
+        g_dst = None
+        if a_dst is not None:
+            g_dst = K.segment_sum(rowptr, csc.inv, g_z)
         g_h2 = g_h.view(Ns, H * C)
         g_h_dst = g_att_dst = None
         if ctx.dst_is_src:
@@ -133,6 +132,8 @@ class GATAttention(torch.autograd.Function):
             if g_dst is not None:
                 g_h_dst = g_dst.mm(B_dst.t()).view(h_dst.shape)
                 g_att_dst = _score_weight_grad(h_dst, g_dst, 1)
+        g_edge = g_z.index_select(0, csc.inv) if ctx.needs_input_grad[10] \
+            else None
         return (None, ) * 6 + (g_h, g_att_src, g_h_dst, g_att_dst, g_edge,
                                None, None, None)
 
