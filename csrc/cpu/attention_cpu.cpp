@@ -26,7 +26,7 @@ struct Scores {
       if (a_dst) v += acc_t(a_dst[i * H + h]);
       if (a_edge) v += acc_t(a_edge[k * H + h]);
       z[h] = v;
-      s[h] = v > 0 ? v : slope * v;
+      s[h] = cpu::leaky(v, slope);
     }
   }
 };
@@ -196,12 +196,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
               if (a_src) z += acc_t(a_src[j * H + h]);
               if (a_dst) z += acc_t(a_dst[i * H + h]);
               if (a_edge) z += acc_t(a_edge[e * H + h]);
-              const acc_t alpha = std::exp((z > 0 ? z : slope * z) - lse_ih);
+              const acc_t alpha = std::exp(cpu::leaky(z, slope) - lse_ih);
               const acc_t mk = mask ? acc_t(mask[e * H + h]) : acc_t(1);
               const scalar_t* g = go_i + h * C;
               const acc_t grad_s =
                   alpha * (mk * cpu::dot(g, vj + h * C, C) - dl[i * H + h]);
-              const acc_t gz = z > 0 ? grad_s : grad_s * slope;
+              const acc_t gz = cpu::leaky_grad(z, slope, grad_s);
               gz_ptr[k * H + h] = scalar_t(gz);
               gsrc[h] += gz;
               const acc_t p = alpha * mk;

@@ -82,6 +82,20 @@ inline void prefetch_ahead(const index_t* idx, int64_t k, int64_t E,
 #endif
 }
 
+// leaky_relu(z) = z > 0 ? z : slope * z, and its derivative times g, without
+// a branch on the sign of z (random per edge: a branch mispredicts half the
+// time). Same values as the branchy form (a zero's sign aside); NaN and
+// +-inf propagate as there.
+template <typename T>
+inline T leaky(T z, T slope) {
+  return std::max(z, T(0)) + slope * std::min(z, T(0));
+}
+template <typename T>
+inline T leaky_grad(T z, T slope, T g) {
+  const T pos = z > T(0) ? T(1) : T(0);
+  return g * (pos + (T(1) - pos) * slope);
+}
+
 // Contiguous copy of an optional tensor, or an undefined tensor.
 inline at::Tensor contiguous_or_undefined(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? t->contiguous() : at::Tensor();
