@@ -46,7 +46,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _util as U  # noqa: E402
@@ -143,6 +143,20 @@ def load_dataset(name: str):
     if notes:
         src += ' (' + '; '.join(n.splitlines()[0][:160] for n in notes) + ')'
     return d, src
+
+
+def train_step(model, opt, x, ei, y, train_idx):
+    """One full-batch training step (zero_grad, forward, cross-entropy on the
+    training nodes, backward, optimizer step) as a closure."""
+    def run():
+        opt.zero_grad(set_to_none=True)
+        out = model(x, ei)
+        loss = F.cross_entropy(out.index_select(0, train_idx),
+                               y.index_select(0, train_idx))
+        loss.backward()
+        opt.step()
+        return loss
+    return run
 
 
 # ----------------------------------------------------------------------------
@@ -255,15 +269,7 @@ def epoch_workload(name, dev, args) -> List[dict]:
     recs = []
 
     def epoch_fn(model, opt):
-        def run():
-            opt.zero_grad(set_to_none=True)
-            out = model(x, ei)
-            loss = F.cross_entropy(out.index_select(0, train_idx),
-                                   y.index_select(0, train_idx))
-            loss.backward()
-            opt.step()
-            return loss
-        return run
+        return train_step(model, opt, x, ei, y, train_idx)
 
     # eval-mode outputs with identical weights (correctness)
     ref = None

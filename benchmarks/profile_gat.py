@@ -19,7 +19,6 @@ import _util as U  # noqa: E402
 import bench_gat as B  # noqa: E402
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch_geometric.nn import GATConv  # noqa: E402
 
@@ -43,14 +42,7 @@ def epoch_fn(conv, name, dev):
     torch.manual_seed(0)
     m = B.GAT(conv, x.size(1), 8, int(data.y.max()) + 1).to(dev).train()
     opt = torch.optim.Adam(m.parameters(), lr=0.005, weight_decay=5e-4)
-
-    def run():
-        opt.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(m(x, ei).index_select(0, idx),
-                               y.index_select(0, idx))
-        loss.backward()
-        opt.step()
-    return run
+    return B.train_step(m, opt, x, ei, y, idx)
 
 
 def layer_fn(conv, N, E, fin, H, C, dev):

@@ -5,22 +5,23 @@ from torch import Tensor
 
 from .. import _build
 from ._checks import check_csr, check_same_device, check_tensor, index_pair
-from .csr import CSC, maybe_csc
-
-
-def _csc_parts(csc: Optional[CSC]):
-    return tuple(csc) if csc is not None else (None, ) * 4
+from .csr import CSC, csc_parts, maybe_csc
 
 
 def _backward(K, rowptr, col, csc, a_src, a_dst, a_edge, mask, values, slope,
-              out, lse, grad_out):
-    """The single CSC pass; returns (grad_values, grad_z in CSC order,
-    grad_a_src, csc)."""
+              out, lse, grad_out, need_dst: bool, need_edge: bool):
+    """The single CSC pass (no atomics): alpha recomputed from lse,
+    grad_out[i] gathered once per edge for grad_values and the score
+    gradient grad_z. Returns (grad_values, grad_a_src, grad_a_dst or None,
+    grad_z in CSR order or None)."""
     csc = maybe_csc(csc, rowptr, col, values.size(0))
     g_values, g_z, g_src = K.attention_backward(
         rowptr, col, csc.colptr, csc.row, csc.perm, a_src, a_dst, a_edge,
         mask, values, slope, out, lse, grad_out.contiguous())
-    return g_values, g_z, g_src, csc
+    # g_z is in CSC order; csc.inv maps each CSR position to it.
+    g_dst = K.segment_sum(rowptr, csc.inv, g_z) if need_dst else None
+    g_edge = g_z.index_select(0, csc.inv) if need_edge else None
+    return g_values, g_src, g_dst, g_edge
 
 
 class Attention(torch.autograd.Function):
@@ -43,16 +44,11 @@ class Attention(torch.autograd.Function):
             return (None, ) * 12
         (rowptr, col, *csc, a_src, a_dst, a_edge, mask, values, out,
          lse) = ctx.saved_tensors
-        K = _build.backend_for(values.device)
-        # One pass over the transpose (no atomics): alpha recomputed from
-        # lse, grad_out[i] gathered once per edge for both grad_values and
-        # the score gradient grad_z.
-        g_values, g_z, g_src, csc = _backward(
-            K, rowptr, col, csc, a_src, a_dst, a_edge, mask, values,
-            ctx.negative_slope, out, lse, grad_out)
         need = ctx.needs_input_grad
-        g_dst = K.segment_sum(rowptr, csc.inv, g_z) if need[7] else None
-        g_edge = g_z.index_select(0, csc.inv) if need[8] else None
+        g_values, g_src, g_dst, g_edge = _backward(
+            _build.backend_for(values.device), rowptr, col, csc, a_src, a_dst,
+            a_edge, mask, values, ctx.negative_slope, out, lse, grad_out,
+            need_dst=need[7], need_edge=need[8])
         return (None, ) * 6 + (g_src if need[6] else None, g_dst, g_edge,
                                None, g_values if need[10] else None, None)
 
@@ -111,14 +107,11 @@ class GATAttention(torch.autograd.Function):
             return (None, ) * 14
         (rowptr, col, *csc, h_src, h_dst, B, B_dst, a_src, a_dst, a_edge, mask,
          out, lse) = ctx.saved_tensors
-        K = _build.backend_for(h_src.device)
-        g_h, g_z, g_src, csc = _backward(
-            K, rowptr, col, csc, a_src, a_dst, a_edge, mask, h_src,
-            ctx.negative_slope, out, lse, grad_out)
+        g_h, g_src, g_dst, g_edge = _backward(
+            _build.backend_for(h_src.device), rowptr, col, csc, a_src, a_dst,
+            a_edge, mask, h_src, ctx.negative_slope, out, lse, grad_out,
+            need_dst=a_dst is not None, need_edge=ctx.needs_input_grad[10])
         Ns, H, C = h_src.shape
-        g_dst = None
-        if a_dst is not None:
-            g_dst = K.segment_sum(rowptr, csc.inv, g_z)
         g_h2 = g_h.view(Ns, H * C)
         g_h_dst = g_att_dst = None
         if ctx.dst_is_src:
@@ -132,8 +125,6 @@ class GATAttention(torch.autograd.Function):
             if g_dst is not None:
                 g_h_dst = g_dst.mm(B_dst.t()).view(h_dst.shape)
                 g_att_dst = _score_weight_grad(h_dst, g_dst, 1)
-        g_edge = g_z.index_select(0, csc.inv) if ctx.needs_input_grad[10] \
-            else None
         return (None, ) * 6 + (g_h, g_att_src, g_h_dst, g_att_dst, g_edge,
                                None, None, None)
 
@@ -153,7 +144,7 @@ def gat_attention(rowptr: Tensor, col: Tensor, csc: Optional[CSC],
     ``mask`` [E, H] in CSR order, in ``h_src``'s dtype. Returns [N, H, C].
     Indices are not validated here (see :func:`attention`).
     """
-    out, _ = GATAttention.apply(rowptr, col, *_csc_parts(csc),
+    out, _ = GATAttention.apply(rowptr, col, *csc_parts(csc),
                                 h_src.contiguous(), att_src.contiguous(),
                                 h_dst, att_dst.contiguous(), a_edge, mask,
                                 float(negative_slope), bool(dst_is_src))
@@ -184,7 +175,7 @@ def attention(rowptr: Tensor, col: Tensor, values: Tensor,
     dt = values.dtype
     args = [t.to(dt) if t is not None else None
             for t in (a_src, a_dst, a_edge, mask)]
-    out, lse = Attention.apply(rowptr, col, *_csc_parts(csc), *args, values,
+    out, lse = Attention.apply(rowptr, col, *csc_parts(csc), *args, values,
                                float(negative_slope))
     return (out, lse) if return_lse else out
 

@@ -5,7 +5,7 @@ from torch import Tensor
 
 from .. import _build
 from ._checks import check_csr, check_same_device, check_tensor, index_pair
-from .csr import CSC, maybe_csc, rows_of
+from .csr import CSC, csc_parts, maybe_csc, rows_of
 
 
 class SpMM(torch.autograd.Function):
@@ -70,7 +70,7 @@ def spmm(rowptr: Tensor, col: Tensor, weights: Optional[Tensor], values: Tensor,
         elif w.size(1) != v.size(1):
             raise ValueError(f'`weights` has {w.size(1)} heads but `values` '
                              f'has {v.size(1)}')
-    out = SpMM.apply(rowptr, col, *(csc or (None, ) * 4), w, v)
+    out = SpMM.apply(rowptr, col, *csc_parts(csc), w, v)
     return out.squeeze(1) if squeeze else out
 
 
