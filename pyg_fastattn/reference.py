@@ -151,7 +151,8 @@ def attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
                        a_dst: Optional[Tensor], a_edge: Optional[Tensor],
                        mask: Optional[Tensor], values: Tensor,
                        negative_slope: float, out: Tensor, lse: Tensor,
-                       grad_out: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+                       grad_out: Tensor,
+                       grad_z_csr: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
     N = rowptr.numel() - 1
     t = _opmath(values.dtype)
     row, z, s = _attention_scores(rowptr, col, a_src, a_dst, a_edge,
@@ -169,7 +170,8 @@ def attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
     grad_z = torch.where(finite, grad_z, torch.zeros_like(grad_z))
     # Source side over the transpose (the kernels' single CSC pass).
     grad_values = spmm(colptr, row_t, alpha * m, perm, grad_out.to(t))
-    grad_z = grad_z[perm]  # CSC order
-    grad_a_src = segment_sum(colptr, None, grad_z)
+    grad_a_src = segment_sum(colptr, perm, grad_z)
+    if not grad_z_csr:
+        grad_z = grad_z[perm]  # CSC order
     dt = values.dtype
     return grad_values.to(dt), grad_z.to(dt), grad_a_src.to(dt)

@@ -3,7 +3,7 @@ import pytest
 import torch
 from torch_geometric.utils import softmax as pyg_softmax
 
-from pyg_fastattn import ops, reference as R
+from pyg_fastattn import _build, ops, reference as R
 from pyg_fastattn.ops.csr import rows_of
 
 from conftest import DEVICES
@@ -190,11 +190,45 @@ def test_reference_backward_matches_autograd(device):
     torch.testing.assert_close(gv_r, gv)
     torch.testing.assert_close(gs, ga_src)
     torch.testing.assert_close(R.segment_sum(rowptr, csc.inv, gz), ga_dst)
+    gz_csr = R.attention_backward(rowptr, col, *csc[:3], a_src, a_dst, a_edge,
+                                  mask, v, 0.2, out, lse, go, True)[1]
+    torch.testing.assert_close(gz_csr, ga_edge)
     s = torch.randn(E, H, **d, requires_grad=True)
     y = R.edge_softmax(rowptr, s)
     gy = torch.randn_like(y)
     torch.testing.assert_close(R.edge_softmax_backward(rowptr, y, gy),
                                torch.autograd.grad(y, s, gy)[0])
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('grad_z_csr', [False, True])
+@pytest.mark.parametrize('heads', [1, 4])
+def test_attention_backward_kernel_orders(device, grad_z_csr, heads):
+    """The compiled attention_backward against the reference in both grad_z
+    orders, on a graph with a tail of unused edges past rowptr[N] (as in a
+    prepared graph); grad_z is 0 on the tail."""
+    if not _build.load().native:
+        pytest.skip(f'native kernels unavailable: {_build.load().error}')
+    K = _build.backend_for(torch.device(device))
+    rowptr, col, Ns = make_graph('mixed', torch.int32, device)
+    E0 = col.numel()
+    tail = torch.randint(Ns, (7, ), device=device, dtype=col.dtype)
+    col = torch.cat([col, tail])
+    N, E, H, C = rowptr.numel() - 1, col.numel(), heads, 6
+    d = dict(dtype=torch.float64, device=device)
+    a_src, a_dst = torch.randn(Ns, H, **d), torch.randn(N, H, **d)
+    a_edge, v = torch.randn(E, H, **d), torch.randn(Ns, H, C, **d)
+    mask = (torch.rand(E, H, **d) > 0.3).double() * 1.5
+    out, lse = R.attention(rowptr, col, a_src, a_dst, a_edge, mask, v, 0.2)
+    go = torch.randn_like(out)
+    csc = ops.csr_to_csc(rowptr, col, Ns, validate=False)
+    args = (rowptr, col, *csc[:3], a_src, a_dst, a_edge, mask, v, 0.2, out,
+            lse, go, grad_z_csr)
+    got, want = K.attention_backward(*args), R.attention_backward(*args)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+    end = E0 if grad_z_csr else int(csc.colptr[-1])
+    assert end < E and (got[1][end:] == 0).all()
 
 
 @pytest.mark.parametrize('device', DEVICES)

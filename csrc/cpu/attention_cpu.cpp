@@ -132,7 +132,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
 // threads by edge count (parallel_rows on colptr); for each out-edge
 // e = (j -> i) (CSC entry k: i = row[k], e = perm[k]) alpha is recomputed
 // from lse[i], grad_out[i] is read once for both the score gradient and
-// grad_values[j], and grad_z is written at CSC position k (in order). Each
+// grad_values[j], and grad_z is written at CSC position k (in order; CSR
+// position e with grad_z_csr). Each
 // output has one writer, so the result does not depend on the thread count.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& rowptr_, const at::Tensor& col_, const at::Tensor& colptr_,
@@ -140,7 +141,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const c10::optional<at::Tensor>& a_src_, const c10::optional<at::Tensor>& a_dst_,
     const c10::optional<at::Tensor>& a_edge_, const c10::optional<at::Tensor>& mask_,
     const at::Tensor& values_, double negative_slope, const at::Tensor& out_,
-    const at::Tensor& lse_, const at::Tensor& grad_out_) {
+    const at::Tensor& lse_, const at::Tensor& grad_out_, bool grad_z_csr) {
   check_attention_backward(rowptr_, col_, colptr_, row_, perm_, a_src_, a_dst_,
                            a_edge_, mask_, values_, out_, lse_, grad_out_);
   const Inputs in = contiguous_inputs(rowptr_, col_, a_src_, a_dst_, a_edge_, mask_, values_);
@@ -202,7 +203,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
               const acc_t grad_s =
                   alpha * (mk * cpu::dot(g, vj + h * C, C) - dl[i * H + h]);
               const acc_t gz = cpu::leaky_grad(z, slope, grad_s);
-              gz_ptr[k * H + h] = scalar_t(gz);
+              gz_ptr[(grad_z_csr ? e : k) * H + h] = scalar_t(gz);
               gsrc[h] += gz;
               const acc_t p = alpha * mk;
               acc_t* a = acc + h * C;

@@ -34,7 +34,8 @@ struct AttnArgs {
   RowInfo<acc_t<scalar_t>>* rinfo;  // [N, H] per-row terms of the backward
   const scalar_t* grad_out;    // [N, H, C]
   scalar_t* gvalues;           // [Ns, H, C]
-  scalar_t* gz;                // [E, H], CSC order
+  scalar_t* gz;                // [E, H], CSC order (CSR with gz_csr)
+  bool gz_csr;
   scalar_t* gsrc;              // [Ns, H]
   int64_t N, E, Ns;
   acc_t<scalar_t> slope;
@@ -200,14 +201,15 @@ __global__ void __launch_bounds__(kBlock)
 
 // Backward prologue, one thread per (row i, head h) (grid-stride): packs
 // RowInfo {a_dst, lse, delta = <grad_out[i, h], out[i, h]>} (V-element
-// vector loads when aligned); all threads also zero grad_z at the CSC
-// positions outside every column (k >= colptr[Ns]), which no warp visits.
+// vector loads when aligned); all threads also zero grad_z at the positions
+// no warp visits: k >= colptr[Ns] (CSC order) or e >= rowptr[N] (CSR).
 template <typename scalar_t, typename index_t, int V>
 __global__ void __launch_bounds__(kBlock)
     bwd_prologue_kernel(AttnArgs<scalar_t, index_t> a,
                         const scalar_t* __restrict__ fout, int H, int64_t C) {
   using A = acc_t<scalar_t>;
-  const int64_t tail = tail_begin(a.colptr, a.Ns, a.E);
+  const int64_t tail = a.gz_csr ? tail_begin(a.rowptr, a.N, a.E)
+                                : tail_begin(a.colptr, a.Ns, a.E);
   const int64_t rows = a.N * H;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -249,7 +251,8 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const RowInfo<A>& r, A aedge,
 // units of grad_out[i]), then reduces <grad_out[i,h], values[j,h]> over the
 // head's LH lanes, recomputes alpha and accumulates alpha*mask*grad_out[i]
 // (grad_values) and grad_z (grad_a_src); lane cl == 0 writes grad_z[k, h]
-// (CSC order: consecutive entries, coalesced). Edge slots are summed with
+// (CSC order: consecutive entries, coalesced; or grad_z[e, h], scattered,
+// when the caller needs it in CSR order). Edge slots are summed with
 // shuffles; columns with more than kCoopEdges entries are shared by the 8
 // warps of the block and combined in shared memory in a fixed order (no
 // atomics: bitwise deterministic). Units beyond the first 32 of a head
@@ -393,7 +396,8 @@ __global__ void __launch_bounds__(kBlock, 2)
           const A gzv = fin ? (z > A(0) ? gs : gs * a.slope) : A(0);
           if (wr[b] && T.hok[kh] && T.cl == 0) {
             const int64_t k = e0 + static_cast<int64_t>(b) * T.ES + T.es;
-            a.gz[k * H + T.h[kh]] = from_acc<scalar_t>(gzv);
+            const int64_t pos = a.gz_csr ? (ok[b] ? e[b] : -1) : k;
+            if (pos >= 0) a.gz[pos * H + T.h[kh]] = from_acc<scalar_t>(gzv);
           }
           gsrc[kh][0] += gzv;
           const A p = alpha * mk[b][kh];
@@ -540,7 +544,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const c10::optional<at::Tensor>& a_edge_in,
     const c10::optional<at::Tensor>& mask_in, const at::Tensor& values_in,
     double negative_slope, const at::Tensor& out_in, const at::Tensor& lse_in,
-    const at::Tensor& grad_out_in) {
+    const at::Tensor& grad_out_in, bool grad_z_csr) {
   check_attention_backward(rowptr_in, col_in, colptr_in, row_in, perm_in,
                            a_src_in, a_dst_in, a_edge_in, mask_in, values_in,
                            out_in, lse_in, grad_out_in);
@@ -579,6 +583,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
       a.gvalues = gvalues.data_ptr<scalar_t>();
       a.gz = gz.data_ptr<scalar_t>();
       a.gsrc = gsrc.data_ptr<scalar_t>();
+      a.gz_csr = grad_z_csr;
       constexpr int VW = vec_width<scalar_t>();
       const bool vec = C % VW == 0 && aligned16(a.values) &&
                        aligned16(fout.data_ptr()) && aligned16(a.grad_out) &&

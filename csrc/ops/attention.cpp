@@ -96,12 +96,14 @@ TORCH_LIBRARY_FRAGMENT(pyg_fastattn, m) {
   //   grad_z[e] = grad_s[e] * (z[e] > 0 ? 1 : negative_slope)
   //   grad_values[j] = sum_{e = (j -> i)} alpha[e] * mask[e] * grad_out[i]
   //   grad_a_src[j] = sum_{e = (j -> i)} grad_z[e]
-  // Returns (grad_values [Ns, H, C], grad_z [E, H] in CSC order (entry k
-  // for CSC entry k; 0 at k >= colptr[Ns]), grad_a_src [Ns, H]). In CSR
-  // order grad_z is grad_z[inv] (inv = the inverse of perm), and grad_a_dst
-  // is its CSR row sum.
+  // Returns (grad_values [Ns, H, C], grad_z [E, H], grad_a_src [Ns, H]).
+  // grad_z is in CSC order (entry k for CSC entry k; 0 at k >= colptr[Ns];
+  // coalesced writes), or in CSR order with grad_z_csr (0 at e >= rowptr[N];
+  // for callers that need the per-edge gradient itself). grad_a_dst is the
+  // CSR row sum of grad_z (in CSC order: of grad_z[inv]).
   m.def("attention_backward(Tensor rowptr, Tensor col, Tensor colptr, "
         "Tensor row, Tensor perm, Tensor? a_src, Tensor? a_dst, "
         "Tensor? a_edge, Tensor? mask, Tensor values, float negative_slope, "
-        "Tensor out, Tensor lse, Tensor grad_out) -> (Tensor, Tensor, Tensor)");
+        "Tensor out, Tensor lse, Tensor grad_out, bool grad_z_csr=False) "
+        "-> (Tensor, Tensor, Tensor)");
 }

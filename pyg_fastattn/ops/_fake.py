@@ -47,7 +47,8 @@ def _attention(rowptr, col, a_src, a_dst, a_edge, mask, values, negative_slope):
 
 @_register('pyg_fastattn::attention_backward')
 def _attention_backward(rowptr, col, colptr, row, perm, a_src, a_dst, a_edge,
-                        mask, values, negative_slope, out, lse, grad_out):
+                        mask, values, negative_slope, out, lse, grad_out,
+                        grad_z_csr=False):
     Ns, H = values.shape[0], values.shape[1]
     return (values.new_empty(values.shape), values.new_empty((col.shape[0], H)),
             values.new_empty((Ns, H)))

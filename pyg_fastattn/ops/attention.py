@@ -13,15 +13,19 @@ def _backward(K, rowptr, col, csc, a_src, a_dst, a_edge, mask, values, slope,
     """The single CSC pass (no atomics): alpha recomputed from lse,
     grad_out[i] gathered once per edge for grad_values and the score
     gradient grad_z. Returns (grad_values, grad_a_src, grad_a_dst or None,
-    grad_z in CSR order or None)."""
+    grad_z in CSR order or None).
+
+    grad_z comes in CSC order (coalesced writes) unless its per-edge values
+    are needed: then the kernel writes it in CSR order (scattered writes),
+    since a gather by ``inv`` afterwards costs more than the whole pass."""
     csc = maybe_csc(csc, rowptr, col, values.size(0))
     g_values, g_z, g_src = K.attention_backward(
         rowptr, col, csc.colptr, csc.row, csc.perm, a_src, a_dst, a_edge,
-        mask, values, slope, out, lse, grad_out.contiguous())
-    # g_z is in CSC order; csc.inv maps each CSR position to it.
-    g_dst = K.segment_sum(rowptr, csc.inv, g_z) if need_dst else None
-    g_edge = g_z.index_select(0, csc.inv) if need_edge else None
-    return g_values, g_src, g_dst, g_edge
+        mask, values, slope, out, lse, grad_out.contiguous(), need_edge)
+    g_dst = None
+    if need_dst:  # CSR row sums; csc.inv maps CSR positions to CSC order
+        g_dst = K.segment_sum(rowptr, None if need_edge else csc.inv, g_z)
+    return g_values, g_src, g_dst, g_z if need_edge else None
 
 
 class Attention(torch.autograd.Function):
