@@ -38,6 +38,7 @@ struct AttnArgs {
   bool gz_csr;
   scalar_t* gsrc;              // [Ns, H]
   int64_t N, E, Ns;
+  int64_t coop;  // rows / columns over this many edges are block-shared
   acc_t<scalar_t> slope;
 };
 
@@ -85,7 +86,7 @@ struct AttnFwdWeight {
 //   (es, hs, cl) walks edges es + ES*k and accumulates its 16-byte unit of
 //   values[col[e]] for each of its heads; the ES edge slots are summed with
 //   shuffles. Channel tile 0 also writes lse.
-// Rows with more than kCoopEdges edges are shared by the 8 warps of the
+// Rows with more than coop_edges(...) edges are shared by the 8 warps of the
 // block: edges interleaved over the warps, statistics and partial sums
 // combined in shared memory in a fixed order.
 template <typename scalar_t, typename index_t, int V, int KHQ>
@@ -100,7 +101,7 @@ __global__ void __launch_bounds__(kBlock)
   const int H = L.H;
   const int64_t D = static_cast<int64_t>(H) * L.C;
   const int lane = lane_id();
-  run_rows(a.rowptr, a.N, a.E, s_long, [&](int64_t row, int rank, int nranks) {
+  run_rows(a.rowptr, a.N, a.E, a.coop, s_long, [&](int64_t row, int rank, int nranks) {
     const LaneTile<KHQ> T =
         decode_tile<KHQ>(L, V, row, static_cast<int>(blockIdx.y), lane);
     const int64_t i = T.row;
@@ -245,21 +246,24 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const RowInfo<A>& r, A aedge,
 // Backward, one pass over the transpose: one warp per (source node j, head
 // tile), same lane layout as the forward with whole heads per warp (heads
 // of more than 32 units: each lane walks units cl + 32*kc). The lane's units
-// of values[j] stay in registers. Lane (es, hs, cl) walks CSC entries
-// k = es + ES*t (EB in flight; i = row[k], e = perm[k]): it first issues
-// every load of the batch (RowInfo of (i, h), a_edge / mask of (e, h), its
-// units of grad_out[i]), then reduces <grad_out[i,h], values[j,h]> over the
+// of values[j] stay in registers. The column's entries come in chunks of
+// 32 whose (i = row[k], e = perm[k]) one coalesced load per lane fetches
+// (IdxChunk); lane (es, hs, cl) takes entries es + ES*b of each batch of
+// ES*EB (EB in flight), gets (i, e) by shuffles, first issues every load of
+// the batch (RowInfo of (i, h), a_edge / mask of (e, h), its units of
+// grad_out[i]), then reduces <grad_out[i,h], values[j,h]> over the
 // head's LH lanes, recomputes alpha and accumulates alpha*mask*grad_out[i]
 // (grad_values) and grad_z (grad_a_src); lane cl == 0 writes grad_z[k, h]
 // (CSC order: consecutive entries, coalesced; or grad_z[e, h], scattered,
 // when the caller needs it in CSR order). Edge slots are summed with
-// shuffles; columns with more than kCoopEdges entries are shared by the 8
+// shuffles; columns with more than coop_edges(...) entries are shared by the 8
 // warps of the block and combined in shared memory in a fixed order (no
 // atomics: bitwise deterministic). Units beyond the first 32 of a head
 // (streaming mode) get their grad_values in extra passes over the column.
-// Registers bound this kernel (about 150 unconstrained: one block per SM);
-// capped at 128 so that two blocks fit, which measured 1.8x faster on the
-// H200 (1M nodes / 20M edges, 4 x 32: 17.6 -> 9.8 ms).
+// Registers and latency bound this kernel: capped at 128 registers so that
+// two blocks fit (1.8x faster than one on the H200 at 1M nodes / 20M edges,
+// 4 x 32: 17.6 -> 9.8 ms); the chunked index loads take one dependent round
+// trip out of every batch.
 template <typename scalar_t, typename index_t, int V, int KHQ>
 __global__ void __launch_bounds__(kBlock, 2)
     attention_bwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
@@ -273,7 +277,7 @@ __global__ void __launch_bounds__(kBlock, 2)
   const RowInfo<A>* __restrict__ rinfo = a.rinfo;
   const scalar_t* __restrict__ a_edge = a.a_edge;
   const scalar_t* __restrict__ mask = a.mask;
-  run_rows(a.colptr, a.Ns, a.E, s_long, [&](int64_t node, int rank, int nranks) {
+  run_rows(a.colptr, a.Ns, a.E, a.coop, s_long, [&](int64_t node, int rank, int nranks) {
     const LaneTile<KHQ> T =
         decode_tile<KHQ>(L, V, node, static_cast<int>(blockIdx.y), lane_id());
     const int64_t j = T.row;
@@ -281,25 +285,37 @@ __global__ void __launch_bounds__(kBlock, 2)
     row_range(a.colptr, j, a.E, start, end);
     const scalar_t* __restrict__ v_row = a.values + j * D;
 
-    // Entry batches of ES*EB, interleaved over the nranks warps. The
-    // batch's (i, e) are loaded at its start (no double buffering: registers
-    // are what limits this kernel; occupancy hides the latency).
-    const int64_t batch = static_cast<int64_t>(T.ES) * EB;
-    const int64_t step = batch * nranks;
-    // in: k < end (a CSC entry of this column); ok: and valid (i, e).
-    auto load_idx = [&](int64_t e0, int64_t (&i)[EB], int64_t (&e)[EB],
-                        bool (&in)[EB], bool (&ok)[EB]) {
+    // The column's CSC entries in chunks of 32 (IdxChunk: row and perm
+    // loaded once per chunk, coalesced), chunks interleaved over the nranks
+    // warps; per batch of ES*EB entries (at most 32 used),
+    // body(i, e, k0, in, ok): lane's entries k = k0 + b*ES + es,
+    // i = row[k], e = perm[k], in: k < end, ok: and (i, e) valid. Indices
+    // stay index_t (registers bound this kernel). The trip counts are
+    // warp-uniform (shuffles inside and in body).
+    const int batch = T.ES * EB;
+    auto walk = [&](auto&& body) {
+      for (int64_t c0 = start + rank * kWarp; c0 < end; c0 += kWarp * nranks) {
+        IdxChunk<1, index_t> ci, ce;
+        ci.load(a.row_t, c0, end);
+        ce.load(a.perm, c0, end);
+        const int cnt = static_cast<int>(end - c0 < kWarp ? end - c0 : kWarp);
+        for (int q = 0; q < cnt; q += batch) {
+          index_t i[EB], e[EB];
+          bool in[EB], ok[EB];
 #pragma unroll
-      for (int b = 0; b < EB; ++b) {
-        const int64_t k = e0 + static_cast<int64_t>(b) * T.ES + T.es;
-        in[b] = k < end;
-        i[b] = in[b] ? static_cast<int64_t>(a.row_t[k]) : 0;
-        e[b] = in[b] ? static_cast<int64_t>(a.perm[k]) : 0;
-        ok[b] = in[b] && i[b] >= 0 && i[b] < a.N && e[b] >= 0 && e[b] < a.E;
+          for (int b = 0; b < EB; ++b) {
+            const int sl = q + b * T.ES + T.es;
+            in[b] = sl < cnt;
+            i[b] = ci.get(sl);
+            e[b] = ce.get(sl);
+            ok[b] = in[b] && i[b] >= 0 && i[b] < a.N && e[b] >= 0 && e[b] < a.E;
+          }
+          body(i, e, c0 + q, in, ok);
+        }
       }
     };
     // Per-(edge, head) terms of a batch: row info, a_edge, mask.
-    auto load_terms = [&](const int64_t (&i)[EB], const int64_t (&e)[EB],
+    auto load_terms = [&](const index_t (&i)[EB], const index_t (&e)[EB],
                           const bool (&ok)[EB], RowInfo<A> (&ri)[EB][KHQ],
                           A (&ae)[EB][KHQ], A (&mk)[EB][KHQ]) {
 #pragma unroll
@@ -309,14 +325,15 @@ __global__ void __launch_bounds__(kBlock, 2)
           const bool use = ok[b] && T.hok[kh];
           const int h = T.h[kh];
           if (use) {
-            ri[b][kh] = rinfo[i[b] * H + h];
+            ri[b][kh] = rinfo[static_cast<int64_t>(i[b]) * H + h];
           } else {
             ri[b][kh].adst = A(0);
             ri[b][kh].lse = neg_inf<A>();  // alpha 0
             ri[b][kh].delta = A(0);
           }
-          ae[b][kh] = (use && a_edge != nullptr) ? to_acc(a_edge[e[b] * H + h]) : A(0);
-          mk[b][kh] = (use && mask != nullptr) ? to_acc(mask[e[b] * H + h]) : A(1);
+          const int64_t eh = static_cast<int64_t>(e[b]) * H + h;
+          ae[b][kh] = (use && a_edge != nullptr) ? to_acc(a_edge[eh]) : A(0);
+          mk[b][kh] = (use && mask != nullptr) ? to_acc(mask[eh]) : A(1);
         }
     };
 
@@ -337,11 +354,8 @@ __global__ void __launch_bounds__(kBlock, 2)
       }
     }
 
-    // The trip count is uniform over the warp (shuffles inside).
-    for (int64_t e0 = start + rank * batch; e0 < end; e0 += step) {
-      int64_t i[EB], e[EB];
-      bool ok[EB], wr[EB];
-      load_idx(e0, i, e, wr, ok);
+    walk([&](const index_t (&i)[EB], const index_t (&e)[EB], int64_t k0,
+             const bool (&wr)[EB], const bool (&ok)[EB]) {
       RowInfo<A> ri[EB][KHQ];
       A ae[EB][KHQ], mk[EB][KHQ];
       load_terms(i, e, ok, ri, ae, mk);
@@ -352,7 +366,7 @@ __global__ void __launch_bounds__(kBlock, 2)
         for (int kh = 0; kh < KHQ; ++kh)
           raw[b][kh] =
               (ok[b] && T.uok[kh])
-                  ? load_vec<scalar_t, V>(grad_out + i[b] * D + T.uoff[kh])
+                  ? load_vec<scalar_t, V>(grad_out + static_cast<int64_t>(i[b]) * D + T.uoff[kh])
                   : zero_vec<scalar_t, V>();
       A dot[EB][KHQ];
 #pragma unroll
@@ -374,7 +388,7 @@ __global__ void __launch_bounds__(kBlock, 2)
           for (int b = 0; b < EB; ++b) {
             if (!ok[b]) continue;
             const Vec<scalar_t, V> g =
-                load_vec<scalar_t, V>(grad_out + i[b] * D + off);
+                load_vec<scalar_t, V>(grad_out + static_cast<int64_t>(i[b]) * D + off);
 #pragma unroll
             for (int v = 0; v < V; ++v)
               dot[b][0] += vec_get(g, v) * vec_get(r, v);
@@ -395,8 +409,9 @@ __global__ void __launch_bounds__(kBlock, 2)
           const A gs = alpha * (mk[b][kh] * dot[b][kh] - ri[b][kh].delta);
           const A gzv = fin ? (z > A(0) ? gs : gs * a.slope) : A(0);
           if (wr[b] && T.hok[kh] && T.cl == 0) {
-            const int64_t k = e0 + static_cast<int64_t>(b) * T.ES + T.es;
-            const int64_t pos = a.gz_csr ? (ok[b] ? e[b] : -1) : k;
+            const int64_t pos =
+                a.gz_csr ? (ok[b] ? static_cast<int64_t>(e[b]) : -1)
+                         : k0 + b * T.ES + T.es;
             if (pos >= 0) a.gz[pos * H + T.h[kh]] = from_acc<scalar_t>(gzv);
           }
           gsrc[kh][0] += gzv;
@@ -405,7 +420,7 @@ __global__ void __launch_bounds__(kBlock, 2)
           for (int v = 0; v < V; ++v) acc[kh][v] += p * vec_get(raw[b][kh], v);
         }
       }
-    }
+    });
     reduce_edge_slots<V, KHQ>(T, acc);
     reduce_edge_slots<1, KHQ>(T, gsrc);
     if (nranks > 1) {
@@ -428,10 +443,8 @@ __global__ void __launch_bounds__(kBlock, 2)
           static_cast<int64_t>(T.h[0]) * L.C + static_cast<int64_t>(c) * V;
       A acc2[1][V];
       zero_acc<V, 1>(acc2);
-      for (int64_t e0 = start + rank * batch; e0 < end; e0 += step) {
-        int64_t i[EB], e[EB];
-        bool in[EB], ok[EB];
-        load_idx(e0, i, e, in, ok);
+      walk([&](const index_t (&i)[EB], const index_t (&e)[EB], int64_t,
+               const bool (&)[EB], const bool (&ok)[EB]) {
         RowInfo<A> ri[EB][KHQ];
         A ae[EB][KHQ], mk[EB][KHQ];
         load_terms(i, e, ok, ri, ae, mk);
@@ -443,11 +456,11 @@ __global__ void __launch_bounds__(kBlock, 2)
           const A p = bwd_alpha(asrc[0], ri[b][0], ae[b][0], a.slope, z, fin) *
                       mk[b][0];
           const Vec<scalar_t, V> g =
-              load_vec<scalar_t, V>(grad_out + i[b] * D + off);
+              load_vec<scalar_t, V>(grad_out + static_cast<int64_t>(i[b]) * D + off);
 #pragma unroll
           for (int v = 0; v < V; ++v) acc2[0][v] += p * vec_get(g, v);
         }
-      }
+      });
       if (nranks > 1) block_sum<V, 1>(acc2, s_red, rank, nranks);
       if (rank == 0 && uk) {
         Vec<scalar_t, V> o = zero_vec<scalar_t, V>();
@@ -524,6 +537,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
       const bool vec = C % VW == 0 && aligned16(a.values) && aligned16(a.out);
       const TileLayout L = make_layout(H, C, vec ? VW : 1, true);
       const dim3 grid = row_grid(N, L.n_tiles);
+      a.coop = coop_edges(N, L.n_tiles);
       auto stream = at::cuda::getCurrentCUDAStream();
       dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
         attention_fwd_kernel<scalar_t, index_t, decltype(v)::value,
@@ -604,6 +618,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
         prologue(std::integral_constant<int, 1>());
       const TileLayout L = make_layout(H, C, vec ? VW : 1, false);
       const dim3 grid = row_grid(Ns, L.n_tiles);
+      a.coop = coop_edges(Ns, L.n_tiles);
       dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
         attention_bwd_kernel<scalar_t, index_t, decltype(v)::value,
                              decltype(k)::value>

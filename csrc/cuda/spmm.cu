@@ -14,6 +14,7 @@ struct SpmmArgs {
   const scalar_t* values;   // [Ns, H, C]
   scalar_t* out;            // [N, H, C]
   int64_t N, E, Ns, Ew;
+  int64_t coop;  // rows over this many edges are block-shared
 };
 
 // w(e, h) = weight[wperm[e] or e, h], or 1 without weight.
@@ -44,7 +45,7 @@ struct SpmmWeight {
 // TileLayout): lane (es, hs, cl) walks edges es, es + ES, ... of the row and
 // accumulates its 16-byte units of values[col[e]] times the edge weight, then
 // the ES edge slots are summed with shuffles and slot 0 stores. Rows with
-// more than kCoopEdges edges are shared by the 8 warps of the block (edges
+// more than coop_edges(...) edges are shared by the 8 warps of the block (edges
 // interleaved over the warps, partial sums combined in shared memory).
 template <typename scalar_t, typename index_t, int V, int KHQ>
 __global__ void __launch_bounds__(kBlock)
@@ -53,7 +54,7 @@ __global__ void __launch_bounds__(kBlock)
   __shared__ int64_t s_long[kWarpsPerBlock];
   __shared__ A s_red[kWarpsPerBlock * kWarp * KHQ * V];
   const int64_t D = static_cast<int64_t>(L.H) * L.C;
-  run_rows(a.rowptr, a.N, a.E, s_long, [&](int64_t row, int rank, int nranks) {
+  run_rows(a.rowptr, a.N, a.E, a.coop, s_long, [&](int64_t row, int rank, int nranks) {
     const LaneTile<KHQ> T =
         decode_tile<KHQ>(L, V, row, static_cast<int>(blockIdx.y), lane_id());
     const int64_t i = T.row;
@@ -90,6 +91,7 @@ void launch_spmm(SpmmArgs<scalar_t, index_t> a, int64_t H, int64_t C,
   const TileLayout L = make_layout(H, C, vec ? VW : 1, /*channel_tiles=*/true);
   if (a.N * L.n_tiles == 0) return;
   const dim3 grid = row_grid(a.N, L.n_tiles);
+  a.coop = coop_edges(a.N, L.n_tiles);
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
     spmm_kernel<scalar_t, index_t, decltype(v)::value, decltype(k)::value>
