@@ -289,15 +289,18 @@ __global__ void __launch_bounds__(kBlock, 2)
     // loaded once per chunk, coalesced), chunks interleaved over the nranks
     // warps; per batch of ES*EB entries (at most 32 used),
     // body(i, e, k0, in, ok): lane's entries k = k0 + b*ES + es,
-    // i = row[k], e = perm[k], in: k < end, ok: and (i, e) valid. Indices
+    // i = row[k], e = perm[k] (0 when nothing per-edge is read or written),
+    // in: k < end, ok: and (i, e) valid. Indices
     // stay index_t (registers bound this kernel). The trip counts are
     // warp-uniform (shuffles inside and in body).
     const int batch = T.ES * EB;
+    const bool need_e = a_edge != nullptr || mask != nullptr || a.gz_csr;
     auto walk = [&](auto&& body) {
       for (int64_t c0 = start + rank * kWarp; c0 < end; c0 += kWarp * nranks) {
-        IdxChunk<1, index_t> ci, ce;
+        IdxChunk<index_t> ci, ce;
         ci.load(a.row_t, c0, end);
-        ce.load(a.perm, c0, end);
+        ce.v = index_t(0);  // perm only when a per-edge term needs it
+        if (need_e) ce.load(a.perm, c0, end);
         const int cnt = static_cast<int>(end - c0 < kWarp ? end - c0 : kWarp);
         for (int q = 0; q < cnt; q += batch) {
           index_t i[EB], e[EB];
