@@ -127,13 +127,16 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
   return {out, lse};
 }
 
-// Two steps. (1) delta[i, h] = <grad_out[i, h], out[i, h]>, rows in
-// parallel. (2) One pass over the transpose: source nodes j split over
-// threads by edge count (parallel_rows on colptr); for each out-edge
-// e = (j -> i) (CSC entry k: i = row[k], e = perm[k]) alpha is recomputed
-// from lse[i], grad_out[i] is read once for both the score gradient and
-// grad_values[j], and grad_z is written at CSC position k (in order; CSR
-// position e with grad_z_csr). Each
+// Two steps. (1) Per destination row i and head h (rows in parallel), the
+// packed terms {a_dst, lse, delta = <grad_out[i, h], out[i, h]>, 0}: one
+// cache line per row for 4 heads, where three arrays took three misses.
+// (2) One pass over the transpose: source nodes j split over threads by
+// edge count (parallel_rows on colptr); for each out-edge e = (j -> i) (CSC
+// entry k: i = row[k], e = perm[k]) alpha is recomputed from lse[i],
+// grad_out[i] is read once for both the score gradient and grad_values[j],
+// and grad_z is written at CSC position k (in order; CSR position e with
+// grad_z_csr). The random rows of entry k + 8 (grad_out, the packed terms,
+// mask / a_edge) are prefetched: the pass is bound by their latency. Each
 // output has one writer, so the result does not depend on the thread count.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& rowptr_, const at::Tensor& col_, const at::Tensor& colptr_,
@@ -152,10 +155,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
                 Ns = in.values.size(0), H = in.values.size(1),
                 C = in.values.size(2), HC = H * C;
   at::Tensor g_values = at::empty({Ns, H, C}, in.values.options());
-  at::Tensor g_z = at::zeros({E, H}, in.values.options());
+  // CSC order: every entry of a column is written; CSR order: skipped
+  // (invalid) entries are not, so start from zeros.
+  at::Tensor g_z = grad_z_csr ? at::zeros({E, H}, in.values.options())
+                              : at::empty({E, H}, in.values.options());
   at::Tensor g_src = at::empty({Ns, H}, in.values.options());
-  at::Tensor delta = at::empty({N, H}, lse.options());
+  at::Tensor rinfo = at::empty({N, H, 4}, lse.options());
   PFA_DISPATCH_INDEX(in.rowptr.scalar_type(), "attention_backward_cpu", [&] {
+    if (!grad_z_csr) cpu::zero_outside_rows(g_z, colptr.const_data_ptr<index_t>(), Ns);
     AT_DISPATCH_FLOATING_TYPES(in.values.scalar_type(), "attention_backward_cpu", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       const index_t* cp = colptr.const_data_ptr<index_t>();
@@ -170,14 +177,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
       const scalar_t* o = out.const_data_ptr<scalar_t>();
       const scalar_t* go = grad_out.const_data_ptr<scalar_t>();
       const acc_t* l = lse.const_data_ptr<acc_t>();
-      acc_t* dl = delta.data_ptr<acc_t>();
+      acc_t* ri = rinfo.data_ptr<acc_t>();  // [N, H, {a_dst, lse, delta, 0}]
       scalar_t* gv_ptr = g_values.data_ptr<scalar_t>();
       scalar_t* gz_ptr = g_z.data_ptr<scalar_t>();
       scalar_t* gs_ptr = g_src.data_ptr<scalar_t>();
       at::parallel_for(0, N * H, std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(C, 1)),
                        [&](int64_t b, int64_t e) {
-        for (int64_t t = b; t < e; ++t) dl[t] = cpu::dot(go + t * C, o + t * C, C);
+        for (int64_t t = b; t < e; ++t) {
+          ri[4 * t] = a_dst ? acc_t(a_dst[t]) : acc_t(0);
+          ri[4 * t + 1] = l[t];
+          ri[4 * t + 2] = cpu::dot(go + t * C, o + t * C, C);
+          ri[4 * t + 3] = 0;
+        }
       });
+      const scalar_t* per_edge = mask ? mask : a_edge;  // one to prefetch
       cpu::parallel_rows(cp, Ns, E, HC, [&](int64_t j0, int64_t j1) {
         std::vector<acc_t> buf(HC + H);
         acc_t *acc = buf.data(), *gsrc = acc + HC;
@@ -188,22 +201,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
           for (int64_t k = b; k < end; ++k) {
             const int64_t i = rw[k], e = pm[k];
             cpu::prefetch_ahead(rw, k, E, go, N, HC);
-            if (i < 0 || i >= N || e < 0 || e >= E) continue;
+            cpu::prefetch_ahead(rw, k, E, ri, N, 4 * H);
+            if (per_edge) cpu::prefetch_ahead(pm, k, E, per_edge, E, H);
+            scalar_t* gz_k = gz_ptr + (grad_z_csr ? e : k) * H;
+            if (i < 0 || i >= N || e < 0 || e >= E) {
+              if (!grad_z_csr) std::fill(gz_k, gz_k + H, scalar_t(0));
+              continue;
+            }
             const scalar_t* go_i = go + i * HC;
+            const acc_t* r_i = ri + i * H * 4;
             for (int64_t h = 0; h < H; ++h) {
-              const acc_t lse_ih = l[i * H + h];
-              if (!std::isfinite(lse_ih)) continue;  // the row has no weight
+              const acc_t lse_ih = r_i[4 * h + 1];
+              if (!std::isfinite(lse_ih)) {  // the row has no weight
+                gz_k[h] = scalar_t(0);
+                continue;
+              }
               acc_t z = 0;  // the reference's order: a_src + a_dst + a_edge
               if (a_src) z += acc_t(a_src[j * H + h]);
-              if (a_dst) z += acc_t(a_dst[i * H + h]);
+              z += r_i[4 * h];
               if (a_edge) z += acc_t(a_edge[e * H + h]);
               const acc_t alpha = std::exp(cpu::leaky(z, slope) - lse_ih);
               const acc_t mk = mask ? acc_t(mask[e * H + h]) : acc_t(1);
               const scalar_t* g = go_i + h * C;
               const acc_t grad_s =
-                  alpha * (mk * cpu::dot(g, vj + h * C, C) - dl[i * H + h]);
+                  alpha * (mk * cpu::dot(g, vj + h * C, C) - r_i[4 * h + 2]);
               const acc_t gz = cpu::leaky_grad(z, slope, grad_s);
-              gz_ptr[(grad_z_csr ? e : k) * H + h] = scalar_t(gz);
+              gz_k[h] = scalar_t(gz);
               gsrc[h] += gz;
               const acc_t p = alpha * mk;
               acc_t* a = acc + h * C;
