@@ -10,7 +10,8 @@ Providers
   ``fast``        pyg_fastattn.FastGATConv, loaded with the same state_dict
                   and called the drop-in way (``conv(x, edge_index)``)
   ``fast+graph``  (``--cuda-graph``, epochs only) the fast training step
-                  captured once in a CUDA graph and replayed
+                  captured once in a CUDA graph and replayed (with the fused
+                  Adam, as examples/train_cora.py --cuda-graph does)
 
 Workloads
   ``epoch``  one full training epoch of PyG's example 2-layer GAT (8 heads x
@@ -203,10 +204,11 @@ def rel_err(a, b) -> float:
 
 
 def cuda_graph_epoch(model, x, ei, y, train_idx, lr, wd):
-    """Capture zero_grad-free fwd + loss + bwd + Adam(capturable) step into a
+    """Capture zero_grad-free fwd + loss + bwd + Adam(fused, capturable:
+    one kernel instead of ~10 foreach kernels) step into a
     CUDA graph (warm-up on a side stream first); returns replay()."""
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd,
-                           capturable=True)
+                           capturable=True, fused=True)
     model.train()
 
     def step():
@@ -484,7 +486,8 @@ def markdown(meta, records) -> str:
              '`pyg_fastattn.prepare` alone). rel err = max|fast - PyG| / '
              'max|PyG| with identical weights: eval-mode outputs (epochs, fwd) '
              'or parameter gradients (fwd+bwd). fast+graph: '
-             'the epoch captured once in a CUDA graph and replayed; its memory '
+             'the epoch captured once in a CUDA graph and replayed (fused '
+             'Adam: one kernel); its memory '
              'lives in the graph\'s private pool, so it shows as resident MiB '
              '(incl. parameters and optimizer state), first call = warm-up + '
              'capture. Epoch = '
