@@ -80,9 +80,8 @@ __device__ __forceinline__ void merge_state(A& m, A& s, A (&acc)[V], A m2,
 
 // One warp per (row, feature tile) (TileLayout: lane = (es, hs, cl), a lane
 // owns heads hs + HS*kh and unit cl of each), one pass over the row with an
-// online softmax: the row's col comes in coalesced chunks of 32 (IdxChunk),
-// edge slot es takes edges es + ES*b of each batch (EB in flight: its units
-// of values[j], a_src[j], a_edge / mask in one round trip),
+// online softmax: edge slot es takes edges es + ES*t (EB in flight: col,
+// then its units of values[j], a_src[j], a_edge / mask in one round trip),
 // computes the scores of its heads (the LH lanes of a head compute the same
 // ones, so they keep the same running maximum) and keeps per head a
 // running (max m, sum s, acc = sum exp(x - m) * mask * values), rescaled
@@ -91,10 +90,8 @@ __device__ __forceinline__ void merge_state(A& m, A& s, A (&acc)[V], A m2,
 // merged in shared memory in a fixed order. out = acc / s; channel tile 0
 // also writes lse = m + log(s). Semantics as reference._row_softmax: -inf
 // scores weigh 0, a NaN or +inf score makes the row NaN, empty rows give 0.
-// Three blocks per SM (80 registers) for one head per lane, without spills;
-// four heads per lane would spill there.
 template <typename scalar_t, typename index_t, int V, int KHQ>
-__global__ void __launch_bounds__(kBlock, KHQ == 1 ? 3 : 1)
+__global__ void __launch_bounds__(kBlock)
     attention_fwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
   constexpr int EB = edge_batch<KHQ, V, scalar_t>();
@@ -123,64 +120,55 @@ __global__ void __launch_bounds__(kBlock, KHQ == 1 ? 3 : 1)
     }
     zero_acc<V, KHQ>(acc);
 
-    // The row's edges in chunks of 32 (IdxChunk: col loaded once per chunk,
-    // coalesced), chunks interleaved over the nranks warps; in a chunk, batch
-    // q gives lane (es, hs, cl) edges q + b*ES + es (EB in flight; at most
-    // 32 per chunk are used).
-    const int batch = T.ES * EB;
-    for (int64_t c0 = start + static_cast<int64_t>(rank) * kWarp; c0 < end;
-         c0 += static_cast<int64_t>(kWarp) * nranks) {
-      IdxChunk<index_t> cj;
-      cj.load(a.col, c0, end);
-      const int cnt = static_cast<int>(end - c0 < kWarp ? end - c0 : kWarp);
-      for (int q = 0; q < cnt; q += batch) {  // uniform: shuffles inside
-        int64_t e[EB], j[EB];
-        bool ok[EB];
+    // Per-lane trip counts differ over es: no shuffles inside.
+    const int64_t stride = static_cast<int64_t>(T.ES) * nranks;
+    const int64_t first = start + static_cast<int64_t>(rank) * T.ES + T.es;
+    for (int64_t e0 = first; e0 < end; e0 += stride * EB) {
+      int64_t e[EB], j[EB];
+      bool ok[EB];
 #pragma unroll
-        for (int b = 0; b < EB; ++b) {
-          const int sl = q + b * T.ES + T.es;
-          e[b] = c0 + sl;
-          j[b] = static_cast<int64_t>(cj.get(sl));
-          ok[b] = sl < cnt && j[b] >= 0 && j[b] < a.Ns;
-        }
-        Vec<scalar_t, V> raw[EB][KHQ];
-        A x[EB][KHQ], mk[EB][KHQ];
+      for (int b = 0; b < EB; ++b) {
+        e[b] = e0 + b * stride;
+        ok[b] = e[b] < end;
+        j[b] = ok[b] ? static_cast<int64_t>(a.col[e[b]]) : 0;
+        ok[b] = ok[b] && j[b] >= 0 && j[b] < a.Ns;
+      }
+      Vec<scalar_t, V> raw[EB][KHQ];
+      A x[EB][KHQ], mk[EB][KHQ];
 #pragma unroll
-        for (int b = 0; b < EB; ++b)
-#pragma unroll
-          for (int kh = 0; kh < KHQ; ++kh) {
-            const bool use = ok[b] && T.hok[kh];
-            raw[b][kh] = (ok[b] && T.uok[kh])
-                             ? load_vec<scalar_t, V>(a.values + j[b] * D + T.uoff[kh])
-                             : zero_vec<scalar_t, V>();
-            x[b][kh] = use ? leaky(attn_z(a.a_src, a.a_edge, H, e[b], j[b],
-                                          T.h[kh], adst[kh]),
-                                   a.slope)
-                           : neg_inf<A>();
-            mk[b][kh] = (use && a.mask != nullptr)
-                            ? to_acc(a.mask[e[b] * H + T.h[kh]])
-                            : A(1);
-          }
+      for (int b = 0; b < EB; ++b)
 #pragma unroll
         for (int kh = 0; kh < KHQ; ++kh) {
-          A mx = m[kh];
+          const bool use = ok[b] && T.hok[kh];
+          raw[b][kh] = (ok[b] && T.uok[kh])
+                           ? load_vec<scalar_t, V>(a.values + j[b] * D + T.uoff[kh])
+                           : zero_vec<scalar_t, V>();
+          x[b][kh] = use ? leaky(attn_z(a.a_src, a.a_edge, H, e[b], j[b],
+                                        T.h[kh], adst[kh]),
+                                 a.slope)
+                         : neg_inf<A>();
+          mk[b][kh] = (use && a.mask != nullptr)
+                          ? to_acc(a.mask[e[b] * H + T.h[kh]])
+                          : A(1);
+        }
 #pragma unroll
-          for (int b = 0; b < EB; ++b) mx = x[b][kh] > mx ? x[b][kh] : mx;
-          const A f = rescale(m[kh], mx);
-          s[kh] *= f;
+      for (int kh = 0; kh < KHQ; ++kh) {
+        A mx = m[kh];
 #pragma unroll
-          for (int v = 0; v < V; ++v) acc[kh][v] *= f;
-          m[kh] = mx;
+        for (int b = 0; b < EB; ++b) mx = x[b][kh] > mx ? x[b][kh] : mx;
+        const A f = rescale(m[kh], mx);
+        s[kh] *= f;
 #pragma unroll
-          for (int b = 0; b < EB; ++b) {
-            // -inf weighs 0 (also while mx is -inf); NaN and +inf give NaN.
-            const A p =
-                x[b][kh] == neg_inf<A>() ? A(0) : pfa_exp(x[b][kh] - mx);
-            s[kh] += p;
-            const A w = p * mk[b][kh];
+        for (int v = 0; v < V; ++v) acc[kh][v] *= f;
+        m[kh] = mx;
 #pragma unroll
-            for (int v = 0; v < V; ++v) acc[kh][v] += w * vec_get(raw[b][kh], v);
-          }
+        for (int b = 0; b < EB; ++b) {
+          // -inf weighs 0 (also while mx is -inf); NaN and +inf give NaN.
+          const A p = x[b][kh] == neg_inf<A>() ? A(0) : pfa_exp(x[b][kh] - mx);
+          s[kh] += p;
+          const A w = p * mk[b][kh];
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[kh][v] += w * vec_get(raw[b][kh], v);
         }
       }
     }
