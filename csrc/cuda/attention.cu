@@ -56,45 +56,44 @@ __device__ __forceinline__ A attn_z(const scalar_t* __restrict__ a_src,
   return z;
 }
 
-// Rescale factor of a running softmax state when its maximum moves from m
-// to mx >= m: exp(m - mx), and exactly 1 when it does not move (also for
-// m = mx = +-inf, where exp would give NaN).
-template <typename A>
-__device__ __forceinline__ A rescale(A m, A mx) {
-  return m == mx ? A(1) : pfa_exp(m - mx);
-}
-
-// Merge (m2, s2, acc2) into the running state (m, s, acc) of the same
-// (row, head): both rescaled to the larger maximum. Commutative, so lanes
-// that merge with each other end with identical values.
-template <int V, typename A>
-__device__ __forceinline__ void merge_state(A& m, A& s, A (&acc)[V], A m2,
-                                            A s2, const A (&acc2)[V]) {
-  const A mx = m2 > m ? m2 : m;
-  const A f1 = rescale(m, mx), f2 = rescale(m2, mx);
-  s = s * f1 + s2 * f2;
-#pragma unroll
-  for (int v = 0; v < V; ++v) acc[v] = acc[v] * f1 + acc2[v] * f2;
-  m = mx;
-}
+// Forward edge weight: p = softmax(s)[e, h] * mask[e, h].
+template <typename scalar_t, int KHQ>
+struct AttnFwdWeight {
+  using A = acc_t<scalar_t>;
+  const scalar_t* __restrict__ a_src;
+  const scalar_t* __restrict__ a_edge;
+  const scalar_t* __restrict__ mask;
+  int H;
+  A slope;
+  int h[KHQ];
+  A adst[KHQ], m[KHQ], s[KHQ], inv[KHQ];
+  __device__ __forceinline__ bool edge(int64_t, int64_t&) const { return true; }
+  __device__ __forceinline__ A weight(int64_t e, int64_t j, int64_t,
+                                      int kh) const {
+    const A x = leaky(attn_z(a_src, a_edge, H, e, j, h[kh], adst[kh]), slope);
+    A al = softmax_weight(x, m[kh], s[kh], inv[kh]);
+    if (mask != nullptr) al *= to_acc(mask[e * H + h[kh]]);
+    return al;
+  }
+};
 
 // One warp per (row, feature tile) (TileLayout: lane = (es, hs, cl), a lane
-// owns heads hs + HS*kh and unit cl of each), one pass over the row with an
-// online softmax: edge slot es takes edges es + ES*t (EB in flight: col,
-// then its units of values[j], a_src[j], a_edge / mask in one round trip),
-// computes the scores of its heads (the LH lanes of a head compute the same
-// ones, so they keep the same running maximum) and keeps per head a
-// running (max m, sum s, acc = sum exp(x - m) * mask * values), rescaled
-// when m grows. The ES edge slots are merged with shuffles; rows with more
-// than coop_edges(...) edges are shared by the 8 warps of the block and
-// merged in shared memory in a fixed order. out = acc / s; channel tile 0
-// also writes lse = m + log(s). Semantics as reference._row_softmax: -inf
-// scores weigh 0, a NaN or +inf score makes the row NaN, empty rows give 0.
+// owns heads hs + HS*kh and unit cl of each).
+// Pass 1: per-head online max / sum of the scores; for each of its heads a
+//   lane takes edges (es * LH + cl) + ES*LH*k, so the row's (edge, head)
+//   pairs are split over all 32 lanes; merged over the cl and es lane bits.
+// Pass 2: gather_accumulate (aggregate.cuh) with w = alpha * mask: lane
+//   (es, hs, cl) walks edges es + ES*k and accumulates its 16-byte unit of
+//   values[col[e]] for each of its heads; the ES edge slots are summed with
+//   shuffles. Channel tile 0 also writes lse.
+// Rows with more than coop_edges(...) edges are shared by the 8 warps of the
+// block: edges interleaved over the warps, statistics and partial sums
+// combined in shared memory in a fixed order.
 template <typename scalar_t, typename index_t, int V, int KHQ>
 __global__ void __launch_bounds__(kBlock)
     attention_fwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
-  constexpr int EB = edge_batch<KHQ, V, scalar_t>();
+  constexpr int U = KHQ == 1 ? 4 : 2;  // pass-1 edges in flight per lane
   __shared__ int64_t s_long[kWarpsPerBlock];
   __shared__ A s_m[kWarpsPerBlock * kWarp * KHQ];
   __shared__ A s_s[kWarpsPerBlock * kWarp * KHQ];
@@ -109,118 +108,95 @@ __global__ void __launch_bounds__(kBlock)
     int64_t start, end;
     row_range(a.rowptr, i, a.E, start, end);
 
-    A adst[KHQ], m[KHQ], s[KHQ], acc[KHQ][V];
+    AttnFwdWeight<scalar_t, KHQ> fn;
+    fn.a_src = a.a_src;
+    fn.a_edge = a.a_edge;
+    fn.mask = a.mask;
+    fn.H = H;
+    fn.slope = a.slope;
 #pragma unroll
     for (int kh = 0; kh < KHQ; ++kh) {
-      adst[kh] = (a.a_dst != nullptr && T.hok[kh])
-                     ? to_acc(a.a_dst[i * H + T.h[kh]])
-                     : A(0);
-      m[kh] = neg_inf<A>();
-      s[kh] = A(0);
+      fn.h[kh] = T.h[kh];
+      fn.adst[kh] = (a.a_dst != nullptr && T.hok[kh])
+                        ? to_acc(a.a_dst[i * H + T.h[kh]])
+                        : A(0);
+      fn.m[kh] = neg_inf<A>();
+      fn.s[kh] = A(0);
     }
-    zero_acc<V, KHQ>(acc);
 
-    // Per-lane trip counts differ over es: no shuffles inside.
-    const int64_t stride = static_cast<int64_t>(T.ES) * nranks;
-    const int64_t first = start + static_cast<int64_t>(rank) * T.ES + T.es;
-    for (int64_t e0 = first; e0 < end; e0 += stride * EB) {
-      int64_t e[EB], j[EB];
-      bool ok[EB];
+    // ---- pass 1
+    const int64_t nslots = static_cast<int64_t>(T.ES) * T.LH;
+    const int64_t stride = nslots * nranks;
+    const int64_t first = start + rank * nslots + T.es * T.LH + T.cl;
+    for (int64_t e0 = first; e0 < end; e0 += stride * U) {
+      int64_t e[U], j[U];
+      bool ok[U];
 #pragma unroll
-      for (int b = 0; b < EB; ++b) {
-        e[b] = e0 + b * stride;
-        ok[b] = e[b] < end;
-        j[b] = ok[b] ? static_cast<int64_t>(a.col[e[b]]) : 0;
-        ok[b] = ok[b] && j[b] >= 0 && j[b] < a.Ns;
+      for (int u = 0; u < U; ++u) {
+        e[u] = e0 + u * stride;
+        ok[u] = e[u] < end;
+        j[u] = ok[u] ? static_cast<int64_t>(a.col[e[u]]) : 0;
+        ok[u] = ok[u] && j[u] >= 0 && j[u] < a.Ns;
       }
-      Vec<scalar_t, V> raw[EB][KHQ];
-      A x[EB][KHQ], mk[EB][KHQ];
+      A x[U][KHQ];
 #pragma unroll
-      for (int b = 0; b < EB; ++b)
+      for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh) {
-          const bool use = ok[b] && T.hok[kh];
-          raw[b][kh] = (ok[b] && T.uok[kh])
-                           ? load_vec<scalar_t, V>(a.values + j[b] * D + T.uoff[kh])
-                           : zero_vec<scalar_t, V>();
-          x[b][kh] = use ? leaky(attn_z(a.a_src, a.a_edge, H, e[b], j[b],
-                                        T.h[kh], adst[kh]),
+        for (int kh = 0; kh < KHQ; ++kh)
+          x[u][kh] = (ok[u] && T.hok[kh])
+                         ? leaky(attn_z(a.a_src, a.a_edge, H, e[u], j[u],
+                                        T.h[kh], fn.adst[kh]),
                                  a.slope)
                          : neg_inf<A>();
-          mk[b][kh] = (use && a.mask != nullptr)
-                          ? to_acc(a.mask[e[b] * H + T.h[kh]])
-                          : A(1);
-        }
 #pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh) {
-        A mx = m[kh];
+      for (int u = 0; u < U; ++u)
 #pragma unroll
-        for (int b = 0; b < EB; ++b) mx = x[b][kh] > mx ? x[b][kh] : mx;
-        const A f = rescale(m[kh], mx);
-        s[kh] *= f;
-#pragma unroll
-        for (int v = 0; v < V; ++v) acc[kh][v] *= f;
-        m[kh] = mx;
-#pragma unroll
-        for (int b = 0; b < EB; ++b) {
-          // -inf weighs 0 (also while mx is -inf); NaN and +inf give NaN.
-          const A p = x[b][kh] == neg_inf<A>() ? A(0) : pfa_exp(x[b][kh] - mx);
-          s[kh] += p;
-          const A w = p * mk[b][kh];
-#pragma unroll
-          for (int v = 0; v < V; ++v) acc[kh][v] += w * vec_get(raw[b][kh], v);
-        }
-      }
+        for (int kh = 0; kh < KHQ; ++kh)
+          online_add(fn.m[kh], fn.s[kh], x[u][kh]);
     }
-    // Merge the edge slots (lane bits [LH*HS, 32)).
-    for (int off = T.LH * T.HS; off < kWarp; off <<= 1) {
+    for (int off = 1; off < kWarp; off <<= 1) {
+      if (off < T.LH || off >= T.LH * T.HS) {  // cl and es bits
 #pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh) {
-        A acc2[V];
-#pragma unroll
-        for (int v = 0; v < V; ++v)
-          acc2[v] = __shfl_xor_sync(kFullMask, acc[kh][v], off);
-        const A m2 = __shfl_xor_sync(kFullMask, m[kh], off);
-        const A s2 = __shfl_xor_sync(kFullMask, s[kh], off);
-        merge_state<V>(m[kh], s[kh], acc[kh], m2, s2, acc2);
+        for (int kh = 0; kh < KHQ; ++kh) {
+          const A m2 = __shfl_xor_sync(kFullMask, fn.m[kh], off);
+          const A s2 = __shfl_xor_sync(kFullMask, fn.s[kh], off);
+          online_merge(fn.m[kh], fn.s[kh], m2, s2);
+        }
       }
     }
     if (nranks > 1) {  // merge over the block's warps, same order everywhere
 #pragma unroll
       for (int kh = 0; kh < KHQ; ++kh) {
-        const int q = (rank * kWarp + lane) * KHQ + kh;
-        s_m[q] = m[kh];
-        s_s[q] = s[kh];
-#pragma unroll
-        for (int v = 0; v < V; ++v) s_red[q * V + v] = acc[kh][v];
+        s_m[(rank * kWarp + lane) * KHQ + kh] = fn.m[kh];
+        s_s[(rank * kWarp + lane) * KHQ + kh] = fn.s[kh];
       }
       __syncthreads();
-      if (rank == 0) {
-        for (int r = 1; r < nranks; ++r) {
 #pragma unroll
-          for (int kh = 0; kh < KHQ; ++kh) {
-            const int q = (r * kWarp + lane) * KHQ + kh;
-            A acc2[V];
-#pragma unroll
-            for (int v = 0; v < V; ++v) acc2[v] = s_red[q * V + v];
-            merge_state<V>(m[kh], s[kh], acc[kh], s_m[q], s_s[q], acc2);
-          }
-        }
+      for (int kh = 0; kh < KHQ; ++kh) {
+        fn.m[kh] = s_m[lane * KHQ + kh];
+        fn.s[kh] = s_s[lane * KHQ + kh];
+        for (int r = 1; r < nranks; ++r)
+          online_merge(fn.m[kh], fn.s[kh], s_m[(r * kWarp + lane) * KHQ + kh],
+                       s_s[(r * kWarp + lane) * KHQ + kh]);
       }
       __syncthreads();
     }
-    if (rank != 0) return;
 #pragma unroll
     for (int kh = 0; kh < KHQ; ++kh) {
-      online_finish(m[kh], s[kh]);  // a +inf maximum: NaN row
-      if (T.ct == 0 && T.es == 0 && T.cl == 0 && T.hok[kh])
-        a.lse_out[i * H + T.h[kh]] = softmax_lse(m[kh], s[kh]);
-      // Empty / all -inf rows (m = -inf): acc and s are 0 (or NaN).
-      const A f = m[kh] == neg_inf<A>() ? s[kh] : fast_recip(s[kh]);
-#pragma unroll
-      for (int v = 0; v < V; ++v) acc[kh][v] *= f;
+      online_finish(fn.m[kh], fn.s[kh]);
+      fn.inv[kh] = fast_recip(fn.s[kh]);
+      if (rank == 0 && T.ct == 0 && T.es == 0 && T.cl == 0 && T.hok[kh])
+        a.lse_out[i * H + T.h[kh]] = softmax_lse(fn.m[kh], fn.s[kh]);
     }
-    store_units<V, KHQ>(T, acc, a.out + i * D);
+
+    // ---- pass 2
+    A acc[KHQ][V];
+    zero_acc<V, KHQ>(acc);
+    gather_accumulate<V, KHQ>(T, rank, nranks, start, end, a.col, a.Ns, D,
+                              a.values, fn, acc);
+    reduce_edge_slots<V, KHQ>(T, acc);
+    if (nranks > 1) block_sum<V, KHQ>(acc, s_red, rank, nranks);
+    if (rank == 0) store_units<V, KHQ>(T, acc, a.out + i * D);
   });
 }
 
