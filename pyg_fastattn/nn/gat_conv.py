@@ -15,6 +15,31 @@ __all__ = ['FastGATConv']
 _CPU_UPCAST = (torch.float16, torch.bfloat16)
 
 
+class _AddBias(torch.autograd.Function):
+    """``x + bias`` for x [N, F], bias [F], whose backward sums the N rows
+    of the gradient as a matrix-vector product: broadcasting's ``sum(0)``
+    over a tall [N, F] gradient ran at a fraction of the bandwidth on the
+    GPU (about 110 us for 100k x 128 on an H200)."""
+    @staticmethod
+    def forward(ctx, x, bias):
+        return x + bias
+
+    @staticmethod
+    def backward(ctx, g):
+        g_bias = None
+        if ctx.needs_input_grad[1]:
+            g_bias = torch.mv(g.t(), g.new_ones(g.size(0)))
+        return g, g_bias
+
+
+def add_bias(x: Tensor, bias: Tensor) -> Tensor:
+    """``x + bias``, with a faster bias gradient for the [N, F] + [F] case."""
+    if (x.dim() == 2 and bias.dim() == 1 and x.dtype == bias.dtype
+            and x.size(1) == bias.size(0) and x.size(0) > 0):
+        return _AddBias.apply(x, bias)
+    return x + bias
+
+
 class FastGATConv(GATConv):
     r"""A drop-in :class:`torch_geometric.nn.conv.GATConv` that runs the
     attention (scores, per-destination softmax, dropout, aggregation) in one
@@ -153,7 +178,7 @@ class FastGATConv(GATConv):
         if res is not None:
             out = out + res
         if self.bias is not None:
-            out = out + self.bias
+            out = add_bias(out, self.bias)
 
         if return_attention_weights:
             return out, self._attention_weights(graph, a_src, a_dst, a_edge,
