@@ -48,6 +48,42 @@ def test_gradients_bitwise_deterministic(backend, device, dtype):
         assert torch.equal(a, b), 'results differ between identical runs'
 
 
+def test_cpu_kernels_independent_of_thread_count():
+    """The CPU kernels hand out row chunks dynamically, but every output row
+    has one writer in a fixed order: 1 and 2 threads give identical bits
+    (the attention op and its gradients; BLAS GEMMs are not checked)."""
+    from pyg_fastattn import _build
+    if not _build.load().native:
+        pytest.skip(f'native kernels unavailable: {_build.load().error}')
+    N, E, H, C = 3000, 60000, 4, 8
+    src, dst = _power_law_graph(N, E, 'cpu', seed=3)
+    perm = torch.argsort(dst, stable=True)
+    col = src[perm]
+    rowptr = torch.searchsorted(dst[perm], torch.arange(N + 1))
+    csc = ops.csr_to_csc(rowptr, col, N)
+    leaves = [torch.randn(N, H), torch.randn(N, H), torch.randn(E, H),
+              torch.randn(N, H, C)]
+    mask = (torch.rand(E, H) > 0.5).float() * 2
+
+    def run():
+        xs = [t.clone().requires_grad_() for t in leaves]
+        out = ops.attention(rowptr, col, xs[3], xs[0], xs[1], xs[2], mask,
+                            csc=csc)
+        out.pow(2).sum().backward()
+        return [out.detach()] + [t.grad for t in xs]
+
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = run()
+        torch.set_num_threads(2)
+        two = run()
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(one, two):
+        assert torch.equal(a, b), 'results depend on the thread count'
+
+
 @requires_cuda
 @pytest.mark.cuda
 def test_no_host_sync_once_prepared():

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <utility>
 
 #include "../common.h"
@@ -29,6 +30,10 @@ inline std::pair<int64_t, int64_t> row_range(const index_t* rowptr, int64_t i,
 // about equal work, measured as (edges + rows) * work_per_item, so that
 // high-degree rows do not leave threads idle. Row r has cost rowptr[r] + r
 // (increasing for a valid rowptr) and goes to the chunk holding its cost.
+// Threads take chunks (about 16 per thread) from a shared counter rather
+// than one fixed share each: on a shared machine a thread that loses its
+// core for a while no longer holds up the whole op (measured 2x swings on
+// the 2-core CI-like machine). Every row still goes to exactly one f call.
 template <typename index_t, typename F>
 void parallel_rows(const index_t* rowptr, int64_t N, int64_t E,
                    int64_t work_per_item, const F& f) {
@@ -42,10 +47,23 @@ void parallel_rows(const index_t* rowptr, int64_t N, int64_t E,
     }
     return lo;
   };
+  const int64_t total = N + E;
   const int64_t grain =
       std::max<int64_t>(1, at::internal::GRAIN_SIZE / std::max<int64_t>(1, work_per_item));
-  at::parallel_for(0, N + E, grain, [&](int64_t begin, int64_t end) {
-    f(first_row(begin), first_row(end));
+  const int64_t threads = at::get_num_threads();
+  if (threads <= 1 || total <= grain || at::in_parallel_region()) {
+    f(int64_t(0), N);
+    return;
+  }
+  const int64_t chunk = std::max(grain, (total + threads * 16 - 1) / (threads * 16));
+  const int64_t chunks = (total + chunk - 1) / chunk;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
+      const int64_t r0 = first_row(c * chunk);
+      const int64_t r1 = first_row(std::min(total, (c + 1) * chunk));
+      if (r0 < r1) f(r0, r1);
+    }
   });
 }
 
