@@ -84,9 +84,16 @@ inline at::opmath_type<T> dot(const T* a, const T* b, int64_t n) {
 // While edge k is processed, asks the CPU to start loading the row
 // base[idx[k + 8]] of base [rows, row_size] (its first 512 bytes; the
 // hardware prefetcher follows longer rows). A loop that does real work per
-// edge (exp, scores) otherwise stalls on each random row; measured ~30% on
-// attention. No-op without GCC/Clang.
+// edge (exp, scores) otherwise stalls on each random row: with the forced
+// inline below (before it, GCC deleted every prefetch) the attention
+// forward went ~57 -> ~42 ms and its backward ~74 -> ~57 ms at 1M edges x
+// 4 heads x 16, 2 threads. No-op without GCC/Clang.
 template <typename index_t, typename T>
+#if defined(__GNUC__)
+// Forced inline: otherwise GCC finds the function free of side effects
+// (a prefetch is none, to it), marks it const and deletes every call.
+__attribute__((always_inline))
+#endif
 inline void prefetch_ahead(const index_t* idx, int64_t k, int64_t E,
                            const T* base, int64_t rows, int64_t row_size) {
 #if defined(__GNUC__)
