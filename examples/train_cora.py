@@ -19,6 +19,7 @@ Data are never downloaded: see ``pyg_fastattn.datasets.load_planetoid``
 """
 import argparse
 import copy
+import gc
 import statistics
 import sys
 import time
@@ -156,6 +157,7 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
         return loss
 
     if device.type == 'cuda':
+        gc.collect()  # an earlier run's model / graph pool still in cycles
         torch.cuda.reset_peak_memory_stats(device)
     captured, static_loss, warmup = None, None, 3
     side = torch.cuda.Stream(device) if use_graph else None
@@ -172,7 +174,9 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
             side.wait_stream(torch.cuda.current_stream(device))
             with torch.cuda.stream(side):
                 opt.zero_grad(set_to_none=True)
-                loss = step()
+                # detached: a live autograd graph would keep this stream's
+                # AccumulateGrad nodes for the captured backward
+                loss = step().detach()
             torch.cuda.current_stream(device).wait_stream(side)
         else:
             if captured is None:
