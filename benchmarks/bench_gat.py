@@ -146,11 +146,13 @@ def load_dataset(name: str):
     return d, src
 
 
-def train_step(model, opt, x, ei, y, train_idx):
+def train_step(model, opt, x, ei, y, train_idx, zero_grad=True):
     """One full-batch training step (zero_grad, forward, cross-entropy on the
-    training nodes, backward, optimizer step) as a closure."""
+    training nodes, backward, optimizer step) as a closure. zero_grad=False
+    leaves the gradients to the caller (CUDA-graph capture)."""
     def run():
-        opt.zero_grad(set_to_none=True)
+        if zero_grad:
+            opt.zero_grad(set_to_none=True)
         out = model(x, ei)
         loss = F.cross_entropy(out.index_select(0, train_idx),
                                y.index_select(0, train_idx))
@@ -210,14 +212,7 @@ def cuda_graph_epoch(model, x, ei, y, train_idx, lr, wd):
     opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd,
                            capturable=True, fused=True)
     model.train()
-
-    def step():
-        out = model(x, ei)
-        loss = F.cross_entropy(out.index_select(0, train_idx),
-                               y.index_select(0, train_idx))
-        loss.backward()
-        opt.step()
-        return loss
+    step = train_step(model, opt, x, ei, y, train_idx, zero_grad=False)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
