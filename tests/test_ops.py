@@ -144,10 +144,14 @@ def test_sddmm(backend, device, heads, C, idx, dtype, E):
                                    'src,dst,edge', 'src,dst,edge,mask'])
 @pytest.mark.parametrize('idx', IDX)
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
-def test_attention(backend, device, graph, terms, idx, dtype):
-    """The fused GAT path: scores from node/edge terms, leaky relu, dropout."""
+@pytest.mark.parametrize('C', [6, 8])
+def test_attention(backend, device, graph, terms, idx, dtype, C):
+    """The fused GAT path: scores from node/edge terms, leaky relu, dropout.
+    C = 8 takes the 16-byte-vector kernels in both dtypes (on CUDA, without
+    a_edge and mask: the lean backward variant); C = 6 the scalar ones for
+    float32."""
     rowptr, col, Ns = make_graph(graph, idx, device)
-    N, E, H, C = rowptr.numel() - 1, col.numel(), 4, 6
+    N, E, H = rowptr.numel() - 1, col.numel(), 4
     terms = terms.split(',')
     mk = lambda *shape: _leaf(torch.randn(*shape, device=device), dtype)
     a_src = mk(Ns, H) if 'src' in terms else None
