@@ -71,7 +71,9 @@ def _score_weight_grad(h: Tensor, g: Tensor, K: int) -> Tensor:
     given the output gradient g [N, K * H]: [K, H, C]."""
     N, H, C = h.shape
     gb = h.reshape(N, H * C).t().mm(g).view(H, C, K, H)
-    return gb.diagonal(dim1=0, dim2=3).permute(1, 2, 0)
+    # contiguous: the parameters' AccumulateGrad then takes slices as they
+    # are instead of copying each one into a new buffer (two more ops).
+    return gb.diagonal(dim1=0, dim2=3).permute(1, 2, 0).contiguous()
 
 
 class GATAttention(torch.autograd.Function):
@@ -81,7 +83,8 @@ class GATAttention(torch.autograd.Function):
     backward is the CSC pass plus two GEMMs for the score vectors."""
     @staticmethod
     def forward(ctx, rowptr, col, colptr, row_t, perm, inv, h_src, att_src,
-                h_dst, att_dst, a_edge, mask, negative_slope, dst_is_src):
+                h_dst, att_dst, a_edge, mask, bias, negative_slope,
+                dst_is_src):
         Ns, H, C = h_src.shape
         if dst_is_src:  # one GEMM for both terms
             B = _score_weight(torch.cat([att_src, att_dst]))
@@ -103,12 +106,13 @@ class GATAttention(torch.autograd.Function):
                               lse)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
-        return out, lse
+        # out (without bias) is what the backward's delta needs.
+        return (out, lse) if bias is None else (out + bias.view(H, C), lse)
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         if grad_out is None:
-            return (None, ) * 14
+            return (None, ) * 15
         (rowptr, col, *csc, h_src, h_dst, B, B_dst, a_src, a_dst, a_edge, mask,
          out, lse) = ctx.saved_tensors
         g_h, g_src, g_dst, g_edge = _backward(
@@ -129,15 +133,20 @@ class GATAttention(torch.autograd.Function):
             if g_dst is not None:
                 g_h_dst = g_dst.mm(B_dst.t()).view(h_dst.shape)
                 g_att_dst = _score_weight_grad(h_dst, g_dst, 1)
+        g_bias = None
+        if ctx.needs_input_grad[12]:  # a column sum as one mat-vec product
+            g2 = grad_out.reshape(-1, H * C)
+            g_bias = torch.mv(g2.t(), g2.new_ones(g2.size(0)))
         return (None, ) * 6 + (g_h, g_att_src, g_h_dst, g_att_dst, g_edge,
-                               None, None, None)
+                               None, g_bias, None, None)
 
 
 def gat_attention(rowptr: Tensor, col: Tensor, csc: Optional[CSC],
                   h_src: Tensor, att_src: Tensor, h_dst: Optional[Tensor],
                   att_dst: Tensor, a_edge: Optional[Tensor] = None,
                   mask: Optional[Tensor] = None, negative_slope: float = 0.2,
-                  dst_is_src: bool = False) -> Tensor:
+                  dst_is_src: bool = False,
+                  bias: Optional[Tensor] = None) -> Tensor:
     r"""GAT's attention layer core: :func:`attention` with
     ``a_src = (h_src * att_src).sum(-1)`` and ``a_dst = (h_dst *
     att_dst).sum(-1)`` computed inside one autograd node.
@@ -145,13 +154,15 @@ def gat_attention(rowptr: Tensor, col: Tensor, csc: Optional[CSC],
     ``h_src`` [Ns, H, C] (also the values), ``att_src``/``att_dst`` [1, H, C],
     ``h_dst`` [N, H, C] or None (no destination term, or ``dst_is_src``:
     the destinations are the sources, ``h_dst = h_src``). ``a_edge`` and
-    ``mask`` [E, H] in CSR order, in ``h_src``'s dtype. Returns [N, H, C].
-    Indices are not validated here (see :func:`attention`).
+    ``mask`` [E, H] in CSR order, in ``h_src``'s dtype. ``bias`` (H * C
+    elements, or None) is added to the output inside the same autograd node.
+    Returns [N, H, C]. Indices are not validated here (see
+    :func:`attention`).
     """
     out, _ = GATAttention.apply(rowptr, col, *csc_parts(csc),
                                 h_src.contiguous(), att_src.contiguous(),
                                 h_dst, att_dst.contiguous(), a_edge, mask,
-                                float(negative_slope), bool(dst_is_src))
+                                bias, float(negative_slope), bool(dst_is_src))
     return out
 
 
