@@ -205,6 +205,12 @@ def rel_err(a, b) -> float:
     return d / scale if scale > 0 else d
 
 
+# One side stream per device for every warm-up and capture: cuBLAS keeps a
+# workspace per stream it has seen, which a new stream per workload would
+# add to the next workloads' resident memory.
+_SIDE_STREAMS: Dict[torch.device, 'torch.cuda.Stream'] = {}
+
+
 def cuda_graph_epoch(model, x, ei, y, train_idx, lr, wd):
     """Capture zero_grad-free fwd + loss + bwd + Adam(fused, capturable:
     one kernel instead of ~10 foreach kernels) step into a
@@ -214,7 +220,9 @@ def cuda_graph_epoch(model, x, ei, y, train_idx, lr, wd):
     model.train()
     step = train_step(model, opt, x, ei, y, train_idx, zero_grad=False)
 
-    s = torch.cuda.Stream()
+    s = _SIDE_STREAMS.get(x.device)
+    if s is None:
+        s = _SIDE_STREAMS[x.device] = torch.cuda.Stream(x.device)
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
         for _ in range(3):
@@ -223,7 +231,7 @@ def cuda_graph_epoch(model, x, ei, y, train_idx, lr, wd):
     torch.cuda.current_stream().wait_stream(s)
     opt.zero_grad(set_to_none=True)
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
+    with torch.cuda.graph(g, stream=s):
         static_loss = step()
     torch.cuda.synchronize()
     g.replay()
