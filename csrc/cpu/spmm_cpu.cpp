@@ -84,6 +84,7 @@ at::Tensor segment_sum_cpu(const at::Tensor& rowptr_,
           std::fill(acc.begin(), acc.end(), acc_t(0));
           for (int64_t k = b; k < e; ++k) {
             const int64_t j = pm ? int64_t(pm[k]) : k;
+            if (pm) cpu::prefetch_ahead(pm, k, E, s, Es, H);  // random rows
             if (j < 0 || j >= Es) continue;
             for (int64_t h = 0; h < H; ++h) acc[h] += acc_t(s[j * H + h]);
           }
