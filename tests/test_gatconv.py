@@ -106,19 +106,24 @@ CONFIGS = {
 
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
 @pytest.mark.parametrize('name', list(CONFIGS))
-def test_parity(backend, dtype, name):
+@pytest.mark.parametrize('attention', [True, False])
+def test_parity(backend, dtype, name, attention):
+    """attention=False takes the fused path (score terms and, without a
+    residual, the bias inside one autograd node); True the one that also
+    returns the weights."""
     ref, fast = make_pair(dtype, 12, 5, **CONFIGS[name])
     ei = random_graph(30, 30, 160)
     x = torch.randn(30, 12, dtype=dtype)
-    assert_same(run(ref, x, ei, attention=True),
-                run(fast, x, ei, attention=True), dtype)
+    assert_same(run(ref, x, ei, attention=attention),
+                run(fast, x, ei, attention=attention), dtype)
 
 
 @pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
 @pytest.mark.parametrize('name', list(CONFIGS) + ['edge_dim', 'bipartite'])
-def test_parity_cuda(dtype, name):
+@pytest.mark.parametrize('attention', [True, False])
+def test_parity_cuda(dtype, name, attention):
     """The same parity on the GPU (native CUDA kernels)."""
     kw = dict(CONFIGS.get(name, dict(heads=4)))
     cin, size, ea = 12, None, None
@@ -136,8 +141,8 @@ def test_parity_cuda(dtype, name):
     cuda = lambda t: tuple(v.cuda() for v in t) if isinstance(t, tuple) else (
         None if t is None else t.cuda())
     x, ei, ea = cuda(x), ei.cuda(), cuda(ea)
-    assert_same(run(ref, x, ei, ea, size=size, attention=True),
-                run(fast, x, ei, ea, size=size, attention=True), dtype)
+    assert_same(run(ref, x, ei, ea, size=size, attention=attention),
+                run(fast, x, ei, ea, size=size, attention=attention), dtype)
 
 
 FILLS = ['mean', 'add', 'max', 'min', 'mul', 0.5, 'tensor']
