@@ -141,17 +141,15 @@ class FastGATConv(GATConv):
                                      csc=graph.csc, return_lse=True)
         else:  # score terms (and the bias) inside the fused op: one node
             shared = h_dst is h_src
-            if (bias is not None and res is None and h_src.dtype == dt
-                    and (self.concat or H == 1)):
-                fused_bias = bias  # out + bias is the same [N, H * C] sum
-            else:
-                fused_bias = None
+            # out + bias is the same [N, H * C] sum when nothing comes between
+            fuse = (bias is not None and res is None and h_src.dtype == dt
+                    and (self.concat or H == 1))
             out = ops.gat_attention(graph.rowptr, graph.col, graph.csc, h_src,
                                     att_src, None if shared else h_dst,
                                     att_dst, a_edge, mask,
                                     self.negative_slope, dst_is_src=shared,
-                                    bias=fused_bias)
-            if fused_bias is not None:
+                                    bias=bias if fuse else None)
+            if fuse:
                 bias = None
         out = out.to(dt)
 
