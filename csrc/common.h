@@ -61,7 +61,8 @@ void check_attention(const at::Tensor& rowptr, const at::Tensor& col,
                      const c10::optional<at::Tensor>& a_dst,
                      const c10::optional<at::Tensor>& a_edge,
                      const c10::optional<at::Tensor>& mask,
-                     const at::Tensor& values);
+                     const at::Tensor& values,
+                     const c10::optional<at::Tensor>& bias);
 void check_attention_backward(const at::Tensor& rowptr, const at::Tensor& col,
                               const at::Tensor& colptr, const at::Tensor& row,
                               const at::Tensor& perm,
@@ -71,6 +72,7 @@ void check_attention_backward(const at::Tensor& rowptr, const at::Tensor& col,
                               const c10::optional<at::Tensor>& mask,
                               const at::Tensor& values, const at::Tensor& out,
                               const at::Tensor& lse,
-                              const at::Tensor& grad_out);
+                              const at::Tensor& grad_out,
+                              const c10::optional<at::Tensor>& bias);
 
 }  // namespace pyg_fastattn

@@ -132,8 +132,8 @@ def _attention_scores(rowptr, col, a_src, a_dst, a_edge, negative_slope, t):
 
 def attention(rowptr: Tensor, col: Tensor, a_src: Optional[Tensor],
               a_dst: Optional[Tensor], a_edge: Optional[Tensor],
-              mask: Optional[Tensor], values: Tensor,
-              negative_slope: float) -> Tuple[Tensor, Tensor]:
+              mask: Optional[Tensor], values: Tensor, negative_slope: float,
+              bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     N = rowptr.numel() - 1
     _, H, C = values.shape
     t = _opmath(values.dtype)
@@ -142,8 +142,10 @@ def attention(rowptr: Tensor, col: Tensor, a_src: Optional[Tensor],
     alpha, lse = _row_softmax(rowptr, row, s)
     p = alpha * mask.to(t) if mask is not None else alpha
     msg = p.unsqueeze(-1) * values[_safe(col, row < N)].to(t)
-    out = msg.new_zeros((N + 1, H, C)).index_add(0, row, msg)
-    return out[:N].to(values.dtype), lse
+    out = msg.new_zeros((N + 1, H, C)).index_add(0, row, msg)[:N]
+    if bias is not None:
+        out = out + bias.to(t).view(H, C)
+    return out.to(values.dtype), lse
 
 
 def attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
@@ -151,8 +153,9 @@ def attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
                        a_dst: Optional[Tensor], a_edge: Optional[Tensor],
                        mask: Optional[Tensor], values: Tensor,
                        negative_slope: float, out: Tensor, lse: Tensor,
-                       grad_out: Tensor,
-                       grad_z_csr: bool = False) -> Tuple[Tensor, Tensor, Tensor]:
+                       grad_out: Tensor, grad_z_csr: bool = False,
+                       bias: Optional[Tensor] = None
+                       ) -> Tuple[Tensor, Tensor, Tensor]:
     N = rowptr.numel() - 1
     t = _opmath(values.dtype)
     row, z, s = _attention_scores(rowptr, col, a_src, a_dst, a_edge,
@@ -164,7 +167,10 @@ def attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
     m = mask.to(t) if mask is not None else torch.ones_like(alpha)
     go = _pad_row(grad_out.to(t))
     g = m * (go[row] * values[_safe(col, row < N)].to(t)).sum(-1)
-    delta = (go * _pad_row(out.to(t))).sum(-1)[row]
+    out = out.to(t)
+    if bias is not None:  # out holds the forward's bias
+        out = out - bias.to(t).view(out.shape[1:])
+    delta = (go * _pad_row(out)).sum(-1)[row]
     grad_s = alpha * (g - delta)
     grad_z = torch.where(z > 0, grad_s, grad_s * negative_slope)
     grad_z = torch.where(finite, grad_z, torch.zeros_like(grad_z))

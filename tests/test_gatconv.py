@@ -33,6 +33,9 @@ def random_graph(num_src, num_dst, E, seed=0, loops=True):
 def make_pair(dtype, *args, **kwargs):
     torch.manual_seed(0)
     ref = GATConv(*args, **kwargs).to(dtype)
+    if getattr(ref, 'bias', None) is not None:  # GATConv starts it at zero
+        with torch.no_grad():
+            ref.bias.normal_()
     fast = FastGATConv(*args, **kwargs).to(dtype)
     fast.load_state_dict(ref.state_dict(), strict=True)
     ref.eval()
@@ -45,9 +48,14 @@ def leaf(t):
         t.is_floating_point())
 
 
-def run(conv, x, edge_index, edge_attr=None, size=None, attention=False):
-    """Forward + backward of a weighted sum; returns outputs and grads."""
+def run(conv, x, edge_index, edge_attr=None, size=None, attention=False,
+        x_grad=True):
+    """Forward + backward of a weighted sum; returns outputs and grads.
+    x_grad=False: x needs no gradient (a first layer)."""
     xs = tuple(leaf(t) for t in x) if isinstance(x, tuple) else leaf(x)
+    if not x_grad:
+        xs = tuple(t.detach() for t in xs) if isinstance(xs, tuple) else \
+            xs.detach()
     ea = leaf(edge_attr)
     res = conv(xs, edge_index, ea, size=size,
                return_attention_weights=True if attention else None)
@@ -107,15 +115,17 @@ CONFIGS = {
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
 @pytest.mark.parametrize('name', list(CONFIGS))
 @pytest.mark.parametrize('attention', [True, False])
-def test_parity(backend, dtype, name, attention):
-    """attention=False takes the fused path (score terms and, without a
+@pytest.mark.parametrize('x_grad', [True, False])
+def test_parity(backend, dtype, name, attention, x_grad):
+    """attention=False takes the fused path (lin, score terms and, without a
     residual, the bias inside one autograd node); True the one that also
-    returns the weights."""
+    returns the weights. x_grad=False (a first layer) takes the score
+    gradient through x in the fused path."""
     ref, fast = make_pair(dtype, 12, 5, **CONFIGS[name])
     ei = random_graph(30, 30, 160)
     x = torch.randn(30, 12, dtype=dtype)
-    assert_same(run(ref, x, ei, attention=attention),
-                run(fast, x, ei, attention=attention), dtype)
+    assert_same(run(ref, x, ei, attention=attention, x_grad=x_grad),
+                run(fast, x, ei, attention=attention, x_grad=x_grad), dtype)
 
 
 @pytest.mark.cuda
@@ -123,7 +133,8 @@ def test_parity(backend, dtype, name, attention):
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
 @pytest.mark.parametrize('name', list(CONFIGS) + ['edge_dim', 'bipartite'])
 @pytest.mark.parametrize('attention', [True, False])
-def test_parity_cuda(dtype, name, attention):
+@pytest.mark.parametrize('x_grad', [True, False])
+def test_parity_cuda(dtype, name, attention, x_grad):
     """The same parity on the GPU (native CUDA kernels)."""
     kw = dict(CONFIGS.get(name, dict(heads=4)))
     cin, size, ea = 12, None, None
@@ -141,8 +152,10 @@ def test_parity_cuda(dtype, name, attention):
     cuda = lambda t: tuple(v.cuda() for v in t) if isinstance(t, tuple) else (
         None if t is None else t.cuda())
     x, ei, ea = cuda(x), ei.cuda(), cuda(ea)
-    assert_same(run(ref, x, ei, ea, size=size, attention=attention),
-                run(fast, x, ei, ea, size=size, attention=attention), dtype)
+    assert_same(run(ref, x, ei, ea, size=size, attention=attention,
+                    x_grad=x_grad),
+                run(fast, x, ei, ea, size=size, attention=attention,
+                    x_grad=x_grad), dtype)
 
 
 FILLS = ['mean', 'add', 'max', 'min', 'mul', 0.5, 'tensor']

@@ -236,6 +236,59 @@ def test_attention_backward_kernel_orders(device, grad_z_csr, heads):
 
 
 @pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+@pytest.mark.parametrize('heads,C', [(1, 8), (4, 8), (4, 6), (2, 40)])
+@pytest.mark.parametrize('with_mask', [False, True])
+def test_attention_bias_kernels(device, dtype, heads, C, with_mask):
+    """The compiled attention with ``bias`` (added in the forward's store,
+    empty rows too) against the reference, and its backward: the delta term
+    must use out - bias, so it equals the backward of the bias-free output.
+    float32 with C = 8 and no mask takes the vector kernels and, on CUDA,
+    the lean backward; C = 40 more than one unit per lane."""
+    if not _build.load().native:
+        pytest.skip(f'native kernels unavailable: {_build.load().error}')
+    K = _build.backend_for(torch.device(device))
+    rowptr, col, Ns = make_graph('mixed', torch.int64, device)
+    N, E, H = rowptr.numel() - 1, col.numel(), heads
+    assert bool((rowptr[1:] == rowptr[:-1]).any())  # has empty rows
+    d = dict(dtype=dtype, device=device)
+    a_src, a_dst = torch.randn(Ns, H, **d), torch.randn(N, H, **d)
+    v, bias = torch.randn(Ns, H, C, **d), torch.randn(H * C, **d)
+    mask = (torch.rand(E, H, **d) > 0.3).to(dtype) * 1.5 if with_mask else None
+    csc = ops.csr_to_csc(rowptr, col, Ns, validate=False)
+    tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else {}
+    out0, lse0 = K.attention(rowptr, col, a_src, a_dst, None, mask, v, 0.2)
+    out, lse = K.attention(rowptr, col, a_src, a_dst, None, mask, v, 0.2, bias)
+    ref, ref_lse = R.attention(rowptr, col, a_src, a_dst, None, mask, v, 0.2,
+                               bias)
+    torch.testing.assert_close(out, ref, **tol)
+    torch.testing.assert_close(lse, ref_lse, **tol)
+    torch.testing.assert_close(out, out0 + bias.view(H, C), **tol)
+    empty = rowptr[1:] == rowptr[:-1]
+    torch.testing.assert_close(out[empty], bias.view(H, C).expand_as(out[empty]))
+    go = torch.randn_like(out)
+    args = (rowptr, col, *csc[:3], a_src, a_dst, None, mask, v, 0.2)
+    got = K.attention_backward(*args, out, lse, go, False, bias)
+    want = R.attention_backward(*args, out, lse, go, False, bias)
+    plain = K.attention_backward(*args, out0, lse0, go, False)
+    for g, w, p in zip(got, want, plain):
+        torch.testing.assert_close(g, w, **tol)
+        torch.testing.assert_close(g, p, **tol)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_attention_bias_bad_size(device, cpp_errors):
+    """A bias of the wrong size is a clear error from the op's checks."""
+    K = _build.backend_for(torch.device(device))
+    rowptr, col, Ns = make_graph('mixed', torch.int64, device)
+    N, H, C = rowptr.numel() - 1, 2, 8
+    a_src, a_dst = torch.randn(Ns, H, device=device), torch.randn(N, H, device=device)
+    v, bias = torch.randn(Ns, H, C, device=device), torch.randn(H * C - 1, device=device)
+    with pytest.raises(RuntimeError, match='bias'):
+        K.attention(rowptr, col, a_src, a_dst, None, None, v, 0.2, bias)
+
+
+@pytest.mark.parametrize('device', DEVICES)
 def test_gradcheck(backend, device):
     """torch.autograd.gradcheck in float64 on a small graph, every op."""
     rowptr, col, Ns = make_graph('mixed', torch.int64, device)
@@ -296,4 +349,3 @@ def test_csr_to_csc_roundtrip():
     for j in range(Ns):
         seg = csc.perm[csc.colptr[j]:csc.colptr[j + 1]]
         assert torch.equal(seg, seg.sort().values)
-

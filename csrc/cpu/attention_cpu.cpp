@@ -63,8 +63,10 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
     const at::Tensor& rowptr_, const at::Tensor& col_,
     const c10::optional<at::Tensor>& a_src_, const c10::optional<at::Tensor>& a_dst_,
     const c10::optional<at::Tensor>& a_edge_, const c10::optional<at::Tensor>& mask_,
-    const at::Tensor& values_, double negative_slope) {
-  check_attention(rowptr_, col_, a_src_, a_dst_, a_edge_, mask_, values_);
+    const at::Tensor& values_, double negative_slope,
+    const c10::optional<at::Tensor>& bias_) {
+  check_attention(rowptr_, col_, a_src_, a_dst_, a_edge_, mask_, values_, bias_);
+  const at::Tensor bias = cpu::contiguous_or_undefined(bias_);
   const Inputs in = contiguous_inputs(rowptr_, col_, a_src_, a_dst_, a_edge_, mask_, values_);
   const int64_t N = in.rowptr.numel() - 1, E = in.col.numel(),
                 Ns = in.values.size(0), H = in.values.size(1),
@@ -81,6 +83,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
       const index_t* cl = in.col.const_data_ptr<index_t>();
       const scalar_t* mask = cpu::data_or_null<scalar_t>(in.mask);
       const scalar_t* v = in.values.const_data_ptr<scalar_t>();
+      const scalar_t* bs = cpu::data_or_null<scalar_t>(bias);
       scalar_t* o = out.data_ptr<scalar_t>();
       acc_t* l = lse.data_ptr<acc_t>();
       cpu::parallel_rows(rp, N, E, HC, [&](int64_t r0, int64_t r1) {
@@ -117,8 +120,10 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
           for (int64_t h = 0; h < H; ++h) {  // den == 0: all weights 0, keep acc
             l[i * H + h] = std::log(den[h]) + m[h];
             const acc_t d = den[h] == 0 ? acc_t(1) : den[h];
-            for (int64_t c = 0; c < C; ++c)
-              o[i * HC + h * C + c] = scalar_t(acc[h * C + c] / d);
+            for (int64_t c = 0; c < C; ++c) {
+              const acc_t r = acc[h * C + c] / d;
+              o[i * HC + h * C + c] = scalar_t(bs ? r + acc_t(bs[h * C + c]) : r);
+            }
           }
         }
       });
@@ -144,9 +149,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const c10::optional<at::Tensor>& a_src_, const c10::optional<at::Tensor>& a_dst_,
     const c10::optional<at::Tensor>& a_edge_, const c10::optional<at::Tensor>& mask_,
     const at::Tensor& values_, double negative_slope, const at::Tensor& out_,
-    const at::Tensor& lse_, const at::Tensor& grad_out_, bool grad_z_csr) {
+    const at::Tensor& lse_, const at::Tensor& grad_out_, bool grad_z_csr,
+    const c10::optional<at::Tensor>& bias_) {
   check_attention_backward(rowptr_, col_, colptr_, row_, perm_, a_src_, a_dst_,
-                           a_edge_, mask_, values_, out_, lse_, grad_out_);
+                           a_edge_, mask_, values_, out_, lse_, grad_out_, bias_);
+  const at::Tensor bias = cpu::contiguous_or_undefined(bias_);
   const Inputs in = contiguous_inputs(rowptr_, col_, a_src_, a_dst_, a_edge_, mask_, values_);
   const at::Tensor colptr = colptr_.contiguous(), row = row_.contiguous(),
                    perm = perm_.contiguous(), out = out_.contiguous(),
@@ -176,6 +183,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
       const scalar_t* v = in.values.const_data_ptr<scalar_t>();
       const scalar_t* o = out.const_data_ptr<scalar_t>();
       const scalar_t* go = grad_out.const_data_ptr<scalar_t>();
+      const scalar_t* bs = cpu::data_or_null<scalar_t>(bias);
       const acc_t* l = lse.const_data_ptr<acc_t>();
       acc_t* ri = rinfo.data_ptr<acc_t>();  // [N, H, {a_dst, lse, delta, 0}]
       scalar_t* gv_ptr = g_values.data_ptr<scalar_t>();
@@ -186,7 +194,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
         for (int64_t t = b; t < e; ++t) {
           ri[4 * t] = a_dst ? acc_t(a_dst[t]) : acc_t(0);
           ri[4 * t + 1] = l[t];
-          ri[4 * t + 2] = cpu::dot(go + t * C, o + t * C, C);
+          acc_t d = cpu::dot(go + t * C, o + t * C, C);
+          if (bs) d -= cpu::dot(go + t * C, bs + (t % H) * C, C);
+          ri[4 * t + 2] = d;
           ri[4 * t + 3] = 0;
         }
       });

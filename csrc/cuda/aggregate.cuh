@@ -177,18 +177,26 @@ __device__ __forceinline__ void block_sum(A (&acc)[KHQ][V], A* s_red, int rank,
   __syncthreads();
 }
 
-// Edge slot 0 stores the row's units: out_row = out + i * D.
+// Edge slot 0 stores the row's units: out_row = out + i * D, plus the
+// matching units of bias [D] when given.
 template <int V, int KHQ, typename scalar_t>
 __device__ __forceinline__ void store_units(const LaneTile<KHQ>& T,
                                             const acc_t<scalar_t> (&acc)[KHQ][V],
-                                            scalar_t* __restrict__ out_row) {
+                                            scalar_t* __restrict__ out_row,
+                                            const scalar_t* __restrict__ bias = nullptr) {
   if (T.es != 0) return;
 #pragma unroll
   for (int kh = 0; kh < KHQ; ++kh) {
     if (!T.uok[kh]) continue;
     Vec<scalar_t, V> o = zero_vec<scalar_t, V>();
+    if (bias != nullptr) {
+      const Vec<scalar_t, V> b = load_vec<scalar_t, V>(bias + T.uoff[kh]);
 #pragma unroll
-    for (int v = 0; v < V; ++v) vec_set(o, v, acc[kh][v]);
+      for (int v = 0; v < V; ++v) vec_set(o, v, acc[kh][v] + to_acc(vec_get(b, v)));
+    } else {
+#pragma unroll
+      for (int v = 0; v < V; ++v) vec_set(o, v, acc[kh][v]);
+    }
     store_vec<scalar_t, V>(out_row + T.uoff[kh], o);
   }
 }

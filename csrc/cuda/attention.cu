@@ -8,7 +8,7 @@ namespace {
 
 // What the backward needs of destination row i, head h, in one load:
 // a_dst[i, h] (0 without a_dst), lse[i, h] and delta = <grad_out[i, h],
-// out[i, h]>.
+// out[i, h] - bias[h]>.
 template <typename A>
 struct alignas(4 * sizeof(A)) RowInfo {
   A adst, lse, delta, pad;
@@ -23,6 +23,7 @@ struct AttnArgs {
   const scalar_t* a_edge;  // [E, H] or nullptr
   const scalar_t* mask;    // [E, H] or nullptr
   const scalar_t* values;  // [Ns, H, C]
+  const scalar_t* bias;    // [H, C] or nullptr: in out (forward's store)
   // forward outputs
   scalar_t* out;               // [N, H, C]
   acc_t<scalar_t>* lse_out;    // [N, H]
@@ -85,7 +86,7 @@ struct AttnFwdWeight {
 // Pass 2: gather_accumulate (aggregate.cuh) with w = alpha * mask: lane
 //   (es, hs, cl) walks edges es + ES*k and accumulates its 16-byte unit of
 //   values[col[e]] for each of its heads; the ES edge slots are summed with
-//   shuffles. Channel tile 0 also writes lse.
+//   shuffles; slot 0 stores them plus bias. Channel tile 0 also writes lse.
 // Rows with more than coop_edges(...) edges are shared by the 8 warps of the
 // block: edges interleaved over the warps, statistics and partial sums
 // combined in shared memory in a fixed order.
@@ -196,7 +197,7 @@ __global__ void __launch_bounds__(kBlock)
                               a.values, fn, acc);
     reduce_edge_slots<V, KHQ>(T, acc);
     if (nranks > 1) block_sum<V, KHQ>(acc, s_red, rank, nranks);
-    if (rank == 0) store_units<V, KHQ>(T, acc, a.out + i * D);
+    if (rank == 0) store_units<V, KHQ>(T, acc, a.out + i * D, a.bias);
   });
 }
 
@@ -204,7 +205,7 @@ __global__ void __launch_bounds__(kBlock)
 // fewest that cover C in V-element units; 32 / G pairs per warp, warps
 // grid-stride over the pairs), so each warp load covers consecutive bytes of
 // grad_out and out. Packs RowInfo {a_dst, lse, delta = <grad_out[i, h],
-// out[i, h]>} (delta summed over the G lanes by shuffles); all threads also
+// out[i, h] - bias[h]>} (delta summed over the G lanes by shuffles); all threads also
 // zero grad_z at the positions no warp visits: k >= colptr[Ns] (CSC order)
 // or e >= rowptr[N] (CSR).
 template <typename scalar_t, typename index_t, int V>
@@ -226,13 +227,23 @@ __global__ void __launch_bounds__(kBlock)
     const bool ok = t < rows;
     A d = A(0);
     if (ok) {
+      const scalar_t* b = a.bias != nullptr ? a.bias + (t % H) * C : nullptr;
       for (int64_t c = static_cast<int64_t>(lane % G) * V; c < C;
            c += static_cast<int64_t>(G) * V) {
         const Vec<scalar_t, V> u =
             load_vec<scalar_t, V>(a.grad_out + t * C + c);
-        const Vec<scalar_t, V> w = load_vec<scalar_t, V>(fout + t * C + c);
+        Vec<scalar_t, V> w = load_vec<scalar_t, V>(fout + t * C + c);
+        if (b != nullptr) {
+          const Vec<scalar_t, V> bv = load_vec<scalar_t, V>(b + c);
 #pragma unroll
-        for (int v = 0; v < V; ++v) d += vec_get(u, v) * vec_get(w, v);
+          for (int v = 0; v < V; ++v)
+            d += to_acc(vec_get(u, v)) *
+                 (to_acc(vec_get(w, v)) - to_acc(vec_get(bv, v)));
+        } else {
+#pragma unroll
+          for (int v = 0; v < V; ++v)
+            d += to_acc(vec_get(u, v)) * to_acc(vec_get(w, v));
+        }
       }
     }
     d = xor_sum(d, 1, G);
@@ -515,7 +526,8 @@ AttnArgs<scalar_t, index_t> attn_args(const at::Tensor& rowptr,
                                       const at::Tensor& a_dst,
                                       const at::Tensor& a_edge,
                                       const at::Tensor& mask,
-                                      const at::Tensor& values, double slope) {
+                                      const at::Tensor& values,
+                                      const at::Tensor& bias, double slope) {
   AttnArgs<scalar_t, index_t> a{};
   a.rowptr = rowptr.data_ptr<index_t>();
   a.col = col.data_ptr<index_t>();
@@ -524,6 +536,7 @@ AttnArgs<scalar_t, index_t> attn_args(const at::Tensor& rowptr,
   a.a_edge = opt_ptr<scalar_t>(a_edge);
   a.mask = opt_ptr<scalar_t>(mask);
   a.values = values.data_ptr<scalar_t>();
+  a.bias = opt_ptr<scalar_t>(bias);
   a.N = rowptr.numel() - 1;
   a.E = col.numel();
   a.Ns = values.size(0);
@@ -537,15 +550,16 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
     const c10::optional<at::Tensor>& a_dst_in,
     const c10::optional<at::Tensor>& a_edge_in,
     const c10::optional<at::Tensor>& mask_in, const at::Tensor& values_in,
-    double negative_slope) {
+    double negative_slope, const c10::optional<at::Tensor>& bias_in) {
   check_attention(rowptr_in, col_in, a_src_in, a_dst_in, a_edge_in, mask_in,
-                  values_in);
+                  values_in, bias_in);
   c10::cuda::CUDAGuard guard(values_in.device());
   const at::Tensor rowptr = rowptr_in.contiguous();
   const at::Tensor col = col_in.contiguous();
   const at::Tensor values = values_in.contiguous();
   const at::Tensor a_src = opt_contig(a_src_in), a_dst = opt_contig(a_dst_in),
-                   a_edge = opt_contig(a_edge_in), mask = opt_contig(mask_in);
+                   a_edge = opt_contig(a_edge_in), mask = opt_contig(mask_in),
+                   bias = opt_contig(bias_in);
   const int64_t N = rowptr.numel() - 1;
   const int64_t H = values.size(1), C = values.size(2);
   at::Tensor out = at::empty({N, H, C}, values.options());
@@ -556,11 +570,12 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
     PFA_DISPATCH_INDEX(rowptr.scalar_type(), "attention_cuda", [&] {
       using A = acc_t<scalar_t>;
       auto a = attn_args<scalar_t, index_t>(rowptr, col, a_src, a_dst, a_edge,
-                                            mask, values, negative_slope);
+                                            mask, values, bias, negative_slope);
       a.out = out.data_ptr<scalar_t>();
       a.lse_out = lse.data_ptr<A>();
       constexpr int VW = vec_width<scalar_t>();
-      const bool vec = C % VW == 0 && aligned16(a.values) && aligned16(a.out);
+      const bool vec = C % VW == 0 && aligned16(a.values) && aligned16(a.out) &&
+                       (a.bias == nullptr || aligned16(a.bias));
       const TileLayout L = make_layout(H, C, vec ? VW : 1, true);
       const dim3 grid = row_grid(N, L.n_tiles);
       a.coop = coop_edges(N, L.n_tiles);
@@ -584,10 +599,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     const c10::optional<at::Tensor>& a_edge_in,
     const c10::optional<at::Tensor>& mask_in, const at::Tensor& values_in,
     double negative_slope, const at::Tensor& out_in, const at::Tensor& lse_in,
-    const at::Tensor& grad_out_in, bool grad_z_csr) {
+    const at::Tensor& grad_out_in, bool grad_z_csr,
+    const c10::optional<at::Tensor>& bias_in) {
   check_attention_backward(rowptr_in, col_in, colptr_in, row_in, perm_in,
                            a_src_in, a_dst_in, a_edge_in, mask_in, values_in,
-                           out_in, lse_in, grad_out_in);
+                           out_in, lse_in, grad_out_in, bias_in);
   c10::cuda::CUDAGuard guard(values_in.device());
   const at::Tensor rowptr = rowptr_in.contiguous();
   const at::Tensor col = col_in.contiguous();
@@ -599,7 +615,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   const at::Tensor lse = lse_in.contiguous();
   const at::Tensor grad_out = grad_out_in.contiguous();
   const at::Tensor a_src = opt_contig(a_src_in), a_dst = opt_contig(a_dst_in),
-                   a_edge = opt_contig(a_edge_in), mask = opt_contig(mask_in);
+                   a_edge = opt_contig(a_edge_in), mask = opt_contig(mask_in),
+                   bias = opt_contig(bias_in);
   const int64_t N = rowptr.numel() - 1;
   const int64_t E = col.numel();
   const int64_t Ns = values.size(0), H = values.size(1), C = values.size(2);
@@ -613,7 +630,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
     PFA_DISPATCH_INDEX(rowptr.scalar_type(), "attention_backward_cuda", [&] {
       using A = acc_t<scalar_t>;
       auto a = attn_args<scalar_t, index_t>(rowptr, col, a_src, a_dst, a_edge,
-                                            mask, values, negative_slope);
+                                            mask, values, bias, negative_slope);
       a.colptr = colptr.data_ptr<index_t>();
       a.row_t = row_t.data_ptr<index_t>();
       a.perm = perm.data_ptr<index_t>();
@@ -627,15 +644,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
       constexpr int VW = vec_width<scalar_t>();
       const bool vec = C % VW == 0 && aligned16(a.values) &&
                        aligned16(fout.data_ptr()) && aligned16(a.grad_out) &&
-                       aligned16(a.gvalues);
+                       aligned16(a.gvalues) &&
+                       (a.bias == nullptr || aligned16(a.bias));
       auto stream = at::cuda::getCurrentCUDAStream();
       const int64_t blocks =
           std::min<int64_t>(ceil_div(std::max<int64_t>(N * H, E * H), kBlock),
                             int64_t(num_sms()) * 16);
       auto prologue = [&](auto v) {
-        const int64_t units = ceil_div(C, int64_t(decltype(v)::value));
-        int G = 1;
-        while (G < kWarp && G < units) G <<= 1;
+        const int G = next_pow2(
+            std::min<int64_t>(ceil_div(C, int64_t(decltype(v)::value)), kWarp));
         bwd_prologue_kernel<scalar_t, index_t, decltype(v)::value>
             <<<std::max<int64_t>(blocks, 1), kBlock, 0, stream>>>(
                 a, fout.data_ptr<scalar_t>(), static_cast<int>(H), C, G);

@@ -12,7 +12,8 @@ void check_attention(const at::Tensor& rowptr, const at::Tensor& col,
                      const c10::optional<at::Tensor>& a_dst,
                      const c10::optional<at::Tensor>& a_edge,
                      const c10::optional<at::Tensor>& mask,
-                     const at::Tensor& values) {
+                     const at::Tensor& values,
+                     const c10::optional<at::Tensor>& bias) {
   check_rowptr(rowptr);
   check_index(col, rowptr, "col");
   check_float(values, "values", 3);
@@ -35,6 +36,13 @@ void check_attention(const at::Tensor& rowptr, const at::Tensor& col,
     check_size(t, 0, arg.rows, arg.name, arg.what);
     check_size(t, 1, H, arg.name, "heads of `values`");
   }
+  if (bias.has_value()) {
+    check_same_device(rowptr, *bias, "rowptr", "bias");
+    check_same_dtype(values, *bias, "values", "bias");
+    PFA_CHECK(bias->numel() == H * values.size(2),
+              "`bias` must have H * C = ", H * values.size(2),
+              " elements, got ", bias->numel());
+  }
 }
 
 void check_attention_backward(const at::Tensor& rowptr, const at::Tensor& col,
@@ -46,8 +54,9 @@ void check_attention_backward(const at::Tensor& rowptr, const at::Tensor& col,
                               const c10::optional<at::Tensor>& mask,
                               const at::Tensor& values, const at::Tensor& out,
                               const at::Tensor& lse,
-                              const at::Tensor& grad_out) {
-  check_attention(rowptr, col, a_src, a_dst, a_edge, mask, values);
+                              const at::Tensor& grad_out,
+                              const c10::optional<at::Tensor>& bias) {
+  check_attention(rowptr, col, a_src, a_dst, a_edge, mask, values, bias);
   const int64_t N = rowptr.numel() - 1;
   check_index(colptr, rowptr, "colptr");
   check_size(colptr, 0, values.size(0) + 1, "colptr", "one entry per source node plus one");
@@ -85,9 +94,11 @@ TORCH_LIBRARY_FRAGMENT(pyg_fastattn, m) {
   //   out[i] = sum_e p[e] * values[j]              -> out [N, H, C]
   //   lse[i] = log sum_e exp(s[e])                 -> [N, H], opmath dtype
   // Empty rows and rows whose s are all -inf give out = 0, lse = -inf.
+  // bias (H * C elements, values' dtype) is added to every row of out
+  // (empty ones too) in the same store.
   m.def("attention(Tensor rowptr, Tensor col, Tensor? a_src, Tensor? a_dst, "
-        "Tensor? a_edge, Tensor? mask, Tensor values, float negative_slope) "
-        "-> (Tensor, Tensor)");
+        "Tensor? a_edge, Tensor? mask, Tensor values, float negative_slope, "
+        "Tensor? bias=None) -> (Tensor, Tensor)");
   // Gradients, in one pass over the transpose (colptr [Ns+1], row [E], perm
   // [E]: CSR row and CSR position of each CSC entry), alpha recomputed from
   // lse:
@@ -100,10 +111,12 @@ TORCH_LIBRARY_FRAGMENT(pyg_fastattn, m) {
   // grad_z is in CSC order (entry k for CSC entry k; 0 at k >= colptr[Ns];
   // coalesced writes), or in CSR order with grad_z_csr (0 at e >= rowptr[N];
   // for callers that need the per-edge gradient itself). grad_a_dst is the
-  // CSR row sum of grad_z (in CSC order: of grad_z[inv]).
+  // CSR row sum of grad_z (in CSC order: of grad_z[inv]). With the forward's
+  // bias, out includes it and the same bias must be passed here: the delta
+  // above uses out - bias.
   m.def("attention_backward(Tensor rowptr, Tensor col, Tensor colptr, "
         "Tensor row, Tensor perm, Tensor? a_src, Tensor? a_dst, "
         "Tensor? a_edge, Tensor? mask, Tensor values, float negative_slope, "
-        "Tensor out, Tensor lse, Tensor grad_out, bool grad_z_csr=False) "
-        "-> (Tensor, Tensor, Tensor)");
+        "Tensor out, Tensor lse, Tensor grad_out, bool grad_z_csr=False, "
+        "Tensor? bias=None) -> (Tensor, Tensor, Tensor)");
 }

@@ -88,13 +88,18 @@ class FastGATConv(GATConv):
 
         H, C = self.heads, self.out_channels
         res: Optional[Tensor] = None
+        # lin(x) inside the fused op (x_src = x_dst then stand for x: only
+        # their sizes, device and dtype are read before the op).
+        lin_x: Optional[Tensor] = None
 
         # Node transforms, exactly as GATConv.
         if isinstance(x, Tensor):
             assert x.dim() == 2, "Static graphs not supported in 'GATConv'"
             if self.res is not None:
                 res = self.res(x)
-            if self.lin is not None:
+            if self._fused_lin(x, return_attention_weights):
+                lin_x = x_src = x_dst = x
+            elif self.lin is not None:
                 x_src = x_dst = self.lin(x).view(-1, H, C)
             else:
                 x_src = self.lin_src(x).view(-1, H, C)
@@ -143,12 +148,14 @@ class FastGATConv(GATConv):
             shared = h_dst is h_src
             # out + bias is the same [N, H * C] sum when nothing comes between
             fuse = (bias is not None and res is None and h_src.dtype == dt
-                    and (self.concat or H == 1))
-            out = ops.gat_attention(graph.rowptr, graph.col, graph.csc, h_src,
-                                    att_src, None if shared else h_dst,
-                                    att_dst, a_edge, mask,
-                                    self.negative_slope, dst_is_src=shared,
-                                    bias=bias if fuse else None)
+                    and bias.dtype == dt and (self.concat or H == 1))
+            out = ops.gat_attention(
+                graph.rowptr, graph.col, graph.csc,
+                None if lin_x is not None else h_src, att_src,
+                None if shared else h_dst, att_dst, a_edge, mask,
+                self.negative_slope, dst_is_src=shared,
+                bias=bias if fuse else None, x=lin_x,
+                weight=None if lin_x is None else self.lin.weight)
             if fuse:
                 bias = None
         out = out.to(dt)
@@ -168,6 +175,17 @@ class FastGATConv(GATConv):
         return out
 
     # Helpers ################################################################
+
+    def _fused_lin(self, x: Tensor, want_weights) -> bool:
+        """Whether ``lin(x)`` can run inside the fused op (a plain bias-free
+        Linear without hooks, same dtype, no autocast, a kernel dtype)."""
+        lin = self.lin
+        return (not want_weights and lin is not None and lin.bias is None
+                and not isinstance(lin.weight, UninitializedParameter)
+                and not lin._forward_hooks and not lin._forward_pre_hooks
+                and x.dtype == lin.weight.dtype
+                and not (x.device.type == 'cpu' and x.dtype in _CPU_UPCAST)
+                and not torch.is_autocast_enabled(x.device.type))
 
     def _graph(self, edge_index, x_src: Tensor, x_dst: Optional[Tensor],
                size, edge_attr: Optional[Tensor]) -> PreparedGraph:

@@ -38,7 +38,8 @@ def _segment_sum(rowptr, perm, src):
 
 
 @_register('pyg_fastattn::attention')
-def _attention(rowptr, col, a_src, a_dst, a_edge, mask, values, negative_slope):
+def _attention(rowptr, col, a_src, a_dst, a_edge, mask, values, negative_slope,
+               bias=None):
     N, H = rowptr.shape[0] - 1, values.shape[1]
     out = values.new_empty((N, H, values.shape[2]))
     lse = values.new_empty((N, H), dtype=_opmath(values.dtype))
@@ -48,7 +49,7 @@ def _attention(rowptr, col, a_src, a_dst, a_edge, mask, values, negative_slope):
 @_register('pyg_fastattn::attention_backward')
 def _attention_backward(rowptr, col, colptr, row, perm, a_src, a_dst, a_edge,
                         mask, values, negative_slope, out, lse, grad_out,
-                        grad_z_csr=False):
+                        grad_z_csr=False, bias=None):
     Ns, H = values.shape[0], values.shape[1]
     return (values.new_empty(values.shape), values.new_empty((col.shape[0], H)),
             values.new_empty((Ns, H)))

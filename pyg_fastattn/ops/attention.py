@@ -9,7 +9,8 @@ from .csr import CSC, csc_parts, maybe_csc
 
 
 def _backward(K, rowptr, col, csc, a_src, a_dst, a_edge, mask, values, slope,
-              out, lse, grad_out, need_dst: bool, need_edge: bool):
+              out, lse, grad_out, need_dst: bool, need_edge: bool,
+              bias=None):
     """The single CSC pass (no atomics): alpha recomputed from lse,
     grad_out[i] gathered once per edge for grad_values and the score
     gradient grad_z. Returns (grad_values, grad_a_src, grad_a_dst or None,
@@ -21,7 +22,7 @@ def _backward(K, rowptr, col, csc, a_src, a_dst, a_edge, mask, values, slope,
     csc = maybe_csc(csc, rowptr, col, values.size(0))
     g_values, g_z, g_src = K.attention_backward(
         rowptr, col, csc.colptr, csc.row, csc.perm, a_src, a_dst, a_edge,
-        mask, values, slope, out, lse, grad_out.contiguous(), need_edge)
+        mask, values, slope, out, lse, grad_out.contiguous(), need_edge, bias)
     g_dst = None
     if need_dst:  # CSR row sums; csc.inv maps CSR positions to CSC order
         g_dst = K.segment_sum(rowptr, None if need_edge else csc.inv, g_z)
@@ -66,11 +67,10 @@ def _score_weight(att: Tensor) -> Tensor:
                             dim2=3).reshape(H * C, K * H)
 
 
-def _score_weight_grad(h: Tensor, g: Tensor, K: int) -> Tensor:
+def _score_weight_grad(P: Tensor, H: int, C: int, K: int) -> Tensor:
     """Gradient of att [K, H, C] in ``h.view(N, H*C) @ _score_weight(att)``
-    given the output gradient g [N, K * H]: [K, H, C]."""
-    N, H, C = h.shape
-    gb = h.reshape(N, H * C).t().mm(g).view(H, C, K, H)
+    from ``P = h.view(N, H*C).t() @ g`` [H*C, K*H] (g the output gradient)."""
+    gb = P.view(H, C, K, H)
     # contiguous: the parameters' AccumulateGrad then takes slices as they
     # are instead of copying each one into a new buffer (two more ops).
     return gb.diagonal(dim1=0, dim2=3).permute(1, 2, 0).contiguous()
@@ -79,13 +79,23 @@ def _score_weight_grad(h: Tensor, g: Tensor, K: int) -> Tensor:
 class GATAttention(torch.autograd.Function):
     """``Attention`` with GAT's per-node score terms computed inside:
     ``a_src = <h_src, att_src>``, ``a_dst = <h_dst, att_dst>`` per head, as
-    one GEMM against a block-diagonal matrix. One autograd node per layer;
-    backward is the CSC pass plus two GEMMs for the score vectors."""
+    one GEMM against a block-diagonal matrix B, and optionally the shared
+    linear map ``h = x @ weight.t()`` and the bias. One autograd node per
+    layer; backward is the CSC pass plus GEMMs for the score vectors.
+
+    With ``weight``, no gradient for ``x`` (a first layer) and F <= 2 * H *
+    C, the score terms' gradient is taken through x: ``M = x.t() @ g_a``
+    [F, 2H] gives ``grad_weight = g_h.t() @ x + B @ M.t()`` and ``grad_att``
+    from ``weight @ M``; one GEMM reading x replaces ``h.t() @ g_a`` and the
+    update of g_h [N, H*C] by ``g_a @ B.t()`` (three passes over [N, H*C])."""
     @staticmethod
-    def forward(ctx, rowptr, col, colptr, row_t, perm, inv, h_src, att_src,
-                h_dst, att_dst, a_edge, mask, bias, negative_slope,
+    def forward(ctx, rowptr, col, colptr, row_t, perm, inv, x, weight, h_src,
+                att_src, h_dst, att_dst, a_edge, mask, bias, negative_slope,
                 dst_is_src):
-        Ns, H, C = h_src.shape
+        _, H, C = att_src.shape
+        if weight is not None:  # h = lin(x), shared by sources and targets
+            h_src = x.mm(weight.t()).view(-1, H, C)
+        Ns = h_src.size(0)
         if dst_is_src:  # one GEMM for both terms
             B = _score_weight(torch.cat([att_src, att_dst]))
             a = h_src.view(Ns, H * C).mm(B)
@@ -99,54 +109,74 @@ class GATAttention(torch.autograd.Function):
                 B_dst = _score_weight(att_dst)
                 a_dst = h_dst.reshape(-1, H * C).mm(B_dst)
         out, lse = _build.backend_for(h_src.device).attention(
-            rowptr, col, a_src, a_dst, a_edge, mask, h_src, negative_slope)
+            rowptr, col, a_src, a_dst, a_edge, mask, h_src, negative_slope,
+            bias)
         ctx.negative_slope, ctx.dst_is_src = negative_slope, dst_is_src
-        ctx.save_for_backward(rowptr, col, colptr, row_t, perm, inv, h_src,
-                              h_dst, B, B_dst, a_src, a_dst, a_edge, mask, out,
-                              lse)
+        ctx.save_for_backward(rowptr, col, colptr, row_t, perm, inv, x, weight,
+                              h_src, h_dst, B, B_dst, a_src, a_dst, a_edge,
+                              mask, bias, out, lse)
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
-        # out (without bias) is what the backward's delta needs.
-        return (out, lse) if bias is None else (out + bias.view(H, C), lse)
+        return out, lse
 
     @staticmethod
     def backward(ctx, grad_out, _grad_lse):
         if grad_out is None:
-            return (None, ) * 15
-        (rowptr, col, *csc, h_src, h_dst, B, B_dst, a_src, a_dst, a_edge, mask,
-         out, lse) = ctx.saved_tensors
+            return (None, ) * 17
+        (rowptr, col, *csc, x, weight, h_src, h_dst, B, B_dst, a_src, a_dst,
+         a_edge, mask, bias, out, lse) = ctx.saved_tensors
+        need = ctx.needs_input_grad
         g_h, g_src, g_dst, g_edge = _backward(
             _build.backend_for(h_src.device), rowptr, col, csc, a_src, a_dst,
             a_edge, mask, h_src, ctx.negative_slope, out, lse, grad_out,
-            need_dst=a_dst is not None, need_edge=ctx.needs_input_grad[10])
+            need_dst=a_dst is not None, need_edge=need[12], bias=bias)
         Ns, H, C = h_src.shape
         g_h2 = g_h.view(Ns, H * C)
-        g_h_dst = g_att_dst = None
+        g_x = g_w = g_h_dst = g_att_dst = None
         if ctx.dst_is_src:
             g_a = torch.cat([g_src, g_dst], dim=1)
-            g_h2.addmm_(g_a, B.t())
-            g_att = _score_weight_grad(h_src, g_a, 2)
+            # through x (see above) when x is no wider than about h: a wide
+            # x (Cora's 1433 features) costs more to read than g_h's update
+            if (weight is not None and not need[6]
+                    and x.size(1) <= 2 * H * C):
+                M = x.t().mm(g_a)
+                if need[7]:
+                    g_w = g_h2.t().mm(x).addmm_(B, M.t())
+                P = weight.mm(M)
+            else:
+                g_h2.addmm_(g_a, B.t())
+                P = h_src.view(Ns, H * C).t().mm(g_a)
+                if weight is not None:
+                    g_x = g_h2.mm(weight) if need[6] else None
+                    g_w = g_h2.t().mm(x) if need[7] else None
+            g_att = _score_weight_grad(P, H, C, 2)
             g_att_src, g_att_dst = g_att[:1], g_att[1:]
         else:
             g_h2.addmm_(g_src, B.t())
-            g_att_src = _score_weight_grad(h_src, g_src, 1)
+            g_att_src = _score_weight_grad(
+                h_src.view(Ns, H * C).t().mm(g_src), H, C, 1)
             if g_dst is not None:
                 g_h_dst = g_dst.mm(B_dst.t()).view(h_dst.shape)
-                g_att_dst = _score_weight_grad(h_dst, g_dst, 1)
+                g_att_dst = _score_weight_grad(
+                    h_dst.reshape(-1, H * C).t().mm(g_dst), H, C, 1)
         g_bias = None
-        if ctx.needs_input_grad[12]:  # a column sum as one mat-vec product
+        if need[14]:  # a column sum as one mat-vec product
             g2 = grad_out.reshape(-1, H * C)
             g_bias = torch.mv(g2.t(), g2.new_ones(g2.size(0)))
-        return (None, ) * 6 + (g_h, g_att_src, g_h_dst, g_att_dst, g_edge,
-                               None, g_bias, None, None)
+        if weight is not None:
+            g_h = None
+        return (None, ) * 6 + (g_x, g_w, g_h, g_att_src, g_h_dst, g_att_dst,
+                               g_edge, None, g_bias, None, None)
 
 
 def gat_attention(rowptr: Tensor, col: Tensor, csc: Optional[CSC],
-                  h_src: Tensor, att_src: Tensor, h_dst: Optional[Tensor],
-                  att_dst: Tensor, a_edge: Optional[Tensor] = None,
+                  h_src: Optional[Tensor], att_src: Tensor,
+                  h_dst: Optional[Tensor], att_dst: Tensor,
+                  a_edge: Optional[Tensor] = None,
                   mask: Optional[Tensor] = None, negative_slope: float = 0.2,
-                  dst_is_src: bool = False,
-                  bias: Optional[Tensor] = None) -> Tensor:
+                  dst_is_src: bool = False, bias: Optional[Tensor] = None,
+                  x: Optional[Tensor] = None,
+                  weight: Optional[Tensor] = None) -> Tensor:
     r"""GAT's attention layer core: :func:`attention` with
     ``a_src = (h_src * att_src).sum(-1)`` and ``a_dst = (h_dst *
     att_dst).sum(-1)`` computed inside one autograd node.
@@ -155,14 +185,21 @@ def gat_attention(rowptr: Tensor, col: Tensor, csc: Optional[CSC],
     ``h_dst`` [N, H, C] or None (no destination term, or ``dst_is_src``:
     the destinations are the sources, ``h_dst = h_src``). ``a_edge`` and
     ``mask`` [E, H] in CSR order, in ``h_src``'s dtype. ``bias`` (H * C
-    elements, or None) is added to the output inside the same autograd node.
-    Returns [N, H, C]. Indices are not validated here (see
+    elements in ``h_src``'s dtype, or None) is added to the output by the
+    kernel. With ``x`` [Ns, F] and ``weight`` [H * C, F] (then ``h_src`` is
+    None and ``dst_is_src``), ``h_src = x @ weight.t()`` is computed inside
+    the same node. Returns [N, H, C]. Indices are not validated here (see
     :func:`attention`).
     """
-    out, _ = GATAttention.apply(rowptr, col, *csc_parts(csc),
-                                h_src.contiguous(), att_src.contiguous(),
-                                h_dst, att_dst.contiguous(), a_edge, mask,
-                                bias, float(negative_slope), bool(dst_is_src))
+    if weight is not None and (h_src is not None or not dst_is_src):
+        raise ValueError('gat_attention: `weight` computes h_src from `x` '
+                         'and needs dst_is_src=True')
+    if h_src is not None:
+        h_src = h_src.contiguous()
+    out, _ = GATAttention.apply(rowptr, col, *csc_parts(csc), x, weight,
+                                h_src, att_src.contiguous(), h_dst,
+                                att_dst.contiguous(), a_edge, mask, bias,
+                                float(negative_slope), bool(dst_is_src))
     return out
 
 
