@@ -7,7 +7,7 @@ from pyg_fastattn import _build, ops, reference as R
 from pyg_fastattn.ops.csr import rows_of
 
 from conftest import DEVICES
-from graphs import make_graph, noncontig
+from graphs import csr_from_degrees, make_graph, noncontig
 
 GRAPHS = ['mixed', 'huge', 'empty', 'single', 'deg1']
 HC = [(1, 1), (4, 7), (8, 33), (1, 64), (8, 64)]
@@ -349,3 +349,120 @@ def test_csr_to_csc_roundtrip():
     for j in range(Ns):
         seg = csc.perm[csc.colptr[j]:csc.colptr[j + 1]]
         assert torch.equal(seg, seg.sort().values)
+
+
+
+# segment_sum: widths 1..8 take the narrow CUDA kernel in float32 (3: scalar
+# loads; 4, 8: 16-byte vectors), 16 the warp-per-row one; in float64 1, 3, 4
+# are narrow. Graphs with empty rows, one 5000-edge row (block-shared on
+# CUDA), E = 0, N = 1.
+SEG_H = [1, 3, 4, 8, 16]
+
+
+def _seg_ref(rowptr, perm, src):
+    """reference.segment_sum where perm entries outside [0, src rows)
+    contribute nothing (what the CPU and CUDA kernels do): they are pointed
+    at an extra zero row."""
+    if perm is None:
+        return R.segment_sum(rowptr, None, src)
+    Es = src.size(0)
+    ok = (perm >= 0) & (perm < Es)
+    pad = torch.cat([src, src.new_zeros((1, src.size(1)))])
+    return R.segment_sum(rowptr, torch.where(ok, perm, torch.full_like(perm, Es)),
+                         pad)[:, :src.size(1)]
+
+
+def _misaligned(t):
+    """A contiguous copy of 2-D ``t`` whose data starts one element past a
+    16-byte boundary (the CUDA kernels then take their scalar-load path)."""
+    flat = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = flat[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('graph', GRAPHS)
+@pytest.mark.parametrize('heads', SEG_H)
+@pytest.mark.parametrize('use_perm', [False, True])
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_segment_sum(backend, device, graph, heads, use_perm, idx, dtype):
+    rowptr, col, _ = make_graph(graph, idx, device)
+    E = col.numel()
+    perm = torch.randperm(E, device=device).to(idx) if use_perm else None
+    src = _leaf(torch.randn(E, heads, device=device), dtype,
+                contiguous=heads != 3)
+    _check(lambda s: ops.segment_sum(rowptr, s, perm),
+           lambda s: R.segment_sum(rowptr, perm, s), [src], dtype)
+    x = src.detach()
+    out = ops.segment_sum(rowptr, x, perm)
+    # Rows not 16-byte aligned (scalar loads on CUDA).
+    _close(ops.segment_sum(rowptr, _misaligned(x), perm), out, dtype,
+           'misaligned src')
+    if device == 'cuda' and backend == 'native':  # no atomics: same bits
+        assert torch.equal(ops.segment_sum(rowptr, x, perm), out)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('graph', ['mixed', 'huge'])
+@pytest.mark.parametrize('heads', [1, 4, 8])
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
+def test_segment_sum_tail_and_invalid(backend, device, graph, heads, idx,
+                                      dtype):
+    """Entries past rowptr[N] (an unused tail) are ignored, with and without
+    perm; on the compiled kernels, perm entries outside [0, src rows)
+    contribute nothing, and CPU and CUDA agree."""
+    rowptr, col, _ = make_graph(graph, idx, device)
+    Es = col.numel() + 7  # src and perm longer than rowptr[N]
+    src = torch.randn(Es, heads, device=device, dtype=dtype)
+    perm = torch.randperm(Es, device=device).to(idx)
+    for p in (None, perm):
+        _close(ops.segment_sum(rowptr, src, p),
+               R.segment_sum(rowptr, p, src.double()), dtype, 'tail')
+    if backend != 'native':  # the reference assumes valid indices
+        return
+    bad = perm.clone()
+    k = torch.randperm(Es, device=device)[:Es // 3]
+    bad[k[0::3]] = -1
+    bad[k[1::3]] = Es
+    bad[k[2::3]] = Es + 1000
+    K = _build.backend_for(torch.device(device))
+    got = K.segment_sum(rowptr, bad, src)
+    _close(got, _seg_ref(rowptr, bad, src.double()), dtype, 'invalid perm')
+    if device == 'cuda':
+        cpu = _build.backend_for(torch.device('cpu')).segment_sum(
+            rowptr.cpu(), bad.cpu(), src.cpu())
+        _close(got.cpu(), cpu, dtype, 'CUDA vs CPU')
+        assert torch.equal(K.segment_sum(rowptr, bad, src), got)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('avg_deg', [3, 21])
+@pytest.mark.parametrize('heads', SEG_H)
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16,
+                                   torch.bfloat16])
+def test_segment_sum_large(device, avg_deg, heads, idx, dtype):
+    """The compiled segment_sum on 40k rows (grids of many blocks on CUDA):
+    empty rows, rows of 300 and 30000 edges among short ones (block-shared
+    on CUDA), a random perm; deterministic on CUDA."""
+    if not _build.load().native:
+        pytest.skip(f'native kernels unavailable: {_build.load().error}')
+    N = 40000
+    deg = torch.randint(0, 2 * avg_deg + 1, (N, ))
+    deg[::97] = 0
+    deg[::1000] = 300
+    deg[5] = deg[N - 3] = 30000
+    rowptr, col = csr_from_degrees(deg, 0, idx, device)
+    E = int(deg.sum())
+    perm = torch.randperm(E, device=device).to(idx)
+    src = torch.randn(E, heads, device=device).to(dtype)
+    K = _build.backend_for(torch.device(device))
+    for p in (perm, None):
+        got = K.segment_sum(rowptr, p, src) if dtype == torch.float32 or \
+            device == 'cuda' else ops.segment_sum(rowptr, src, p)
+        _close(got, R.segment_sum(rowptr, p, src.double()), dtype, 'output')
+        if device == 'cuda':
+            assert torch.equal(K.segment_sum(rowptr, p, src), got)

@@ -1,4 +1,5 @@
-// spmm and segment_sum on CUDA (the aggregation engine of aggregate.cuh).
+// spmm and segment_sum on CUDA (the aggregation engine of aggregate.cuh;
+// segment_sum of narrow rows has its own group-per-row kernel).
 #include "aggregate.cuh"
 
 namespace pyg_fastattn {
@@ -100,6 +101,218 @@ void launch_spmm(SpmmArgs<scalar_t, index_t> a, int64_t H, int64_t C,
   });
 }
 
+// ---------------------------------------------------------------------------
+// segment_sum of narrow rows (H * sizeof(scalar_t) <= 32 bytes, e.g. the
+// [E, heads] score gradients of the GAT backward). The engine above gives
+// such a row a whole warp (a single 16-byte unit, 32 edge slots), which is
+// latency-bound; here a row gets a group of G lanes and a warp several rows.
+
+constexpr int kSegMaxBytes = 32;  // widest row (bytes) of the narrow kernel
+constexpr int kSegEdgeBatch = 4;  // edges whose loads a lane keeps in flight
+
+// A lane's pass over edges e, e + stride, ... < end: EB edges at a time, it
+// loads their indices, then their rows of src (NU units of V elements: one
+// 16-byte vector per unit when V > 1, else guarded scalars, u < H), and adds
+// them to acc. perm == nullptr means j = e; j outside [0, Ns) contributes
+// nothing (as in gather_accumulate).
+template <int V, int NU, typename scalar_t, typename index_t>
+__device__ __forceinline__ void seg_accumulate(
+    int64_t e, int64_t end, int64_t stride, const index_t* __restrict__ perm,
+    int64_t Ns, int H, const scalar_t* __restrict__ src,
+    acc_t<scalar_t> (&acc)[V * NU]) {
+  constexpr int EB = kSegEdgeBatch;
+  constexpr bool kExact = V > 1 || NU == 1;  // H == V * NU
+  const int64_t W = kExact ? int64_t(V * NU) : int64_t(H);  // src row stride
+  for (; e < end; e += stride * EB) {
+    int64_t j[EB];
+    bool ok[EB];
+#pragma unroll
+    for (int b = 0; b < EB; ++b) {
+      const int64_t eb = e + b * stride;
+      ok[b] = eb < end;
+      j[b] = 0;
+      if (ok[b]) {
+        j[b] = perm != nullptr ? static_cast<int64_t>(perm[eb]) : eb;
+        ok[b] = j[b] >= 0 && j[b] < Ns;
+      }
+    }
+    Vec<scalar_t, V> raw[EB][NU];
+#pragma unroll
+    for (int b = 0; b < EB; ++b)
+#pragma unroll
+      for (int u = 0; u < NU; ++u)
+        raw[b][u] = (ok[b] && (kExact || u < H))
+                        ? load_vec<scalar_t, V>(src + j[b] * W + u * V)
+                        : zero_vec<scalar_t, V>();
+#pragma unroll
+    for (int b = 0; b < EB; ++b) {
+      if (!ok[b]) continue;
+#pragma unroll
+      for (int u = 0; u < NU; ++u)
+#pragma unroll
+        for (int v = 0; v < V; ++v) acc[u * V + v] += vec_get(raw[b][u], v);
+    }
+  }
+}
+
+// One group of G = 2^g_log lanes per row: block b owns rows
+// b * (kBlock / G) + t / G (thread t), kWarp / G rows per warp. Lane gl of a
+// group walks edges start + gl, start + gl + G, ... (seg_accumulate) over the
+// whole row width; the G partial sums are combined with xor shuffles (fixed
+// order: deterministic) and lane 0 of the group stores. Rows with more than
+// a.coop edges are first summed one after the other by the whole block
+// (thread t takes edges start + t, start + t + kBlock, ...; warp sums by
+// shuffles, then the 8 warp sums added in warp order in shared memory and
+// threads h < H store element h); their groups skip them. Lanes without a
+// row (row >= N) take part in every shuffle and barrier.
+//
+// __launch_bounds__(kBlock, 1): without a minimum of blocks ptxas capped
+// these kernels at 32-48 registers and then spilled (32-byte rows) or issued
+// the edge batch's index and row loads in dependent pairs (4 round trips per
+// batch instead of 2; H200 with perm up to 16% slower, e.g. 1M rows of
+// power-law degree (mean 20), H = 4: 763 vs 656 us); uncapped they take
+// 40-65 registers (78 for 32-byte half vectors, 103 for 16 scalar halves),
+// no spills.
+template <typename scalar_t, typename index_t, int V, int NU>
+__global__ void __launch_bounds__(kBlock, 1)
+    segment_sum_narrow_kernel(SpmmArgs<scalar_t, index_t> a, int H,
+                              int g_log) {
+  using A = acc_t<scalar_t>;
+  constexpr int K = V * NU;  // accumulators per lane (>= H)
+  constexpr bool kExact = V > 1 || NU == 1;
+  __shared__ unsigned s_long[kWarpsPerBlock];
+  __shared__ A s_red[kWarpsPerBlock * K];
+  const int G = 1 << g_log;
+  const int gl = static_cast<int>(threadIdx.x) & (G - 1);
+  const int lane = lane_id();
+  const int wib = static_cast<int>(threadIdx.x) >> 5;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.x) * (kBlock >> g_log);
+  const int64_t row = row0 + (static_cast<int>(threadIdx.x) >> g_log);
+  int64_t start = 0, end = 0;
+  if (row < a.N) row_range(a.rowptr, row, a.E, start, end);
+  const bool is_long = end - start > a.coop;
+  // Bit (group leader lane) of each long row, per warp.
+  const unsigned lm = __ballot_sync(kFullMask, is_long && gl == 0);
+  if (lane == 0) s_long[wib] = lm;
+  __syncthreads();
+  for (int w = 0; w < kWarpsPerBlock; ++w) {  // block-uniform
+    for (unsigned m = s_long[w]; m != 0; m &= m - 1) {
+      const int b = __ffs(static_cast<int>(m)) - 1;
+      const int64_t r = row0 + ((w * kWarp + b) >> g_log);
+      int64_t s, t;
+      row_range(a.rowptr, r, a.E, s, t);
+      A acc[K];
+#pragma unroll
+      for (int k = 0; k < K; ++k) acc[k] = A(0);
+      seg_accumulate<V, NU>(s + threadIdx.x, t, kBlock, a.col, a.Ns, H,
+                            a.values, acc);
+#pragma unroll
+      for (int k = 0; k < K; ++k) acc[k] = xor_sum(acc[k], 1, kWarp);
+      if (lane == 0) {
+#pragma unroll
+        for (int k = 0; k < K; ++k) s_red[wib * K + k] = acc[k];
+      }
+      __syncthreads();
+      if (static_cast<int>(threadIdx.x) < H) {
+        A sum = s_red[threadIdx.x];
+        for (int q = 1; q < kWarpsPerBlock; ++q) sum += s_red[q * K + threadIdx.x];
+        a.out[r * H + threadIdx.x] = from_acc<scalar_t>(sum);
+      }
+      __syncthreads();  // s_red is reused by the next long row
+    }
+  }
+  if (is_long) end = start;  // done above
+  A acc[K];
+#pragma unroll
+  for (int k = 0; k < K; ++k) acc[k] = A(0);
+  seg_accumulate<V, NU>(start + gl, end, G, a.col, a.Ns, H, a.values, acc);
+  for (int off = 1; off < G; off <<= 1) {  // K independent shuffles a round
+#pragma unroll
+    for (int k = 0; k < K; ++k) acc[k] += __shfl_xor_sync(kFullMask, acc[k], off);
+  }
+  if (gl != 0 || row >= a.N || is_long) return;
+  if constexpr (V > 1) {
+#pragma unroll
+    for (int u = 0; u < NU; ++u) {
+      Vec<scalar_t, V> o;
+#pragma unroll
+      for (int v = 0; v < V; ++v) vec_set(o, v, acc[u * V + v]);
+      store_vec<scalar_t, V>(a.out + row * K + u * V, o);
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < K; ++k)
+      if (kExact || k < H) a.out[row * H + k] = from_acc<scalar_t>(acc[k]);
+  }
+}
+
+// Lanes per row: G = next_pow2(ceil(E / (N * kSegEdgeBatch))) with perm
+// (random gathers), half that without (contiguous src rows), at most 32: a
+// row of average degree takes about one edge batch per lane with perm, two
+// without. E counts the perm / src entries, an upper bound of the edges in
+// rows (rowptr stays on the device). H200, 1M rows, int64, float H = 1 / 4 /
+// 8, with perm | without, in us:
+//   21 edges a row (G = 8 | 4):  387 / 553 / 594 | 66 / 109 / 173
+//     (G = 4 | 8: 409 / 570 / 609 | 105 / 125 / 191)
+//   3 edges a row (G = 1 | 1):   29 / 54 / 82 | 15 / 25 / 40
+//     (G = 4: 57 / 80 / 108 | 47 / 60 / 74)
+// against 1007 / 857 / 896 | 823 / 696 / 693 (21 edges) and 856 / 753 / 749
+// | 716 / 687 / 678 (3 edges) for the warp-per-row engine. With perm and
+// H >= 4 the time is that of the random 16-32-byte gathers (src far larger
+// than L2): G and the edge batch (2, 4, 8) change it by < 5%.
+constexpr int kSegMinGroup = 1;
+inline int seg_group_log(int64_t E, int64_t N, bool perm) {
+  const int64_t per_lane = kSegEdgeBatch * (perm ? 1 : 2);
+  const int64_t g = ceil_div(E, std::max<int64_t>(N, 1) * per_lane);
+  return log2_pow2(next_pow2(
+      std::min<int64_t>(std::max<int64_t>(g, kSegMinGroup), kWarp)));
+}
+
+// Rows with more edges than this are summed by the whole block: a group on
+// its own would need more than 8 edge batches (2 on grids of at most 4
+// blocks per SM, which take as long as their longest row; cf. coop_edges).
+inline int64_t seg_coop_edges(int64_t blocks, int G) {
+  const int64_t batches = blocks <= int64_t(num_sms()) * 4 ? 2 : 8;
+  return std::max<int64_t>(kWarp, batches * G * kSegEdgeBatch);
+}
+
+// The narrow kernel for rows of at most kSegMaxBytes (false: not narrow).
+// Template choice: 16-byte vectors (V = vec_width, NU = H / V units) when H
+// fills whole vectors and src / out are 16-byte aligned; else scalars
+// (V = 1) with NU = 1, 4 or kSegMaxBytes / sizeof(scalar_t) >= H slots.
+// Grid: one block per kBlock / G rows (row_grid over N / (kWarp / G) warps).
+template <typename scalar_t, typename index_t>
+bool launch_segment_sum_narrow(SpmmArgs<scalar_t, index_t> a, int64_t H) {
+  constexpr int S = static_cast<int>(sizeof(scalar_t));
+  if (H < 1 || H * S > kSegMaxBytes) return false;
+  constexpr int VW = vec_width<scalar_t>();
+  const bool vec = H % VW == 0 && aligned16(a.values) && aligned16(a.out);
+  const int g_log = seg_group_log(a.E, a.N, a.col != nullptr);
+  const dim3 grid = row_grid(ceil_div(a.N, kWarp >> g_log), 1);
+  a.coop = seg_coop_edges(grid.x, 1 << g_log);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  auto go = [&](auto v, auto nu) {
+    constexpr int V = decltype(v)::value, NU = decltype(nu)::value;
+    segment_sum_narrow_kernel<scalar_t, index_t, V, NU>
+        <<<grid, kBlock, 0, stream>>>(a, static_cast<int>(H), g_log);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  using one = std::integral_constant<int, 1>;
+  if (vec) {
+    if (H == VW)
+      go(std::integral_constant<int, VW>(), one());
+    else  // H == 2 * VW (32 bytes)
+      go(std::integral_constant<int, VW>(), std::integral_constant<int, 2>());
+  } else if (H == 1) {
+    go(one(), one());
+  } else if (H <= 4) {
+    go(one(), std::integral_constant<int, 4>());
+  } else {
+    go(one(), std::integral_constant<int, kSegMaxBytes / S>());
+  }
+  return true;
+}
+
 at::Tensor spmm_cuda(const at::Tensor& rowptr_in, const at::Tensor& col_in,
                      const c10::optional<at::Tensor>& weight_in,
                      const c10::optional<at::Tensor>& weight_perm_in,
@@ -161,7 +374,7 @@ at::Tensor segment_sum_cuda(const at::Tensor& rowptr_in,
       a.E = perm.defined() ? perm.numel() : src.size(0);
       a.Ns = src.size(0);
       a.Ew = 0;
-      launch_spmm(a, 1, H, false);
+      if (!launch_segment_sum_narrow(a, H)) launch_spmm(a, 1, H, false);
     });
   });
   return out;
