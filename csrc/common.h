@@ -5,7 +5,47 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
-#define PFA_CHECK(cond, ...) TORCH_CHECK(cond, "pyg_fastattn: ", __VA_ARGS__)
+#include <string>
+#include <type_traits>
+
+namespace pyg_fastattn {
+namespace detail {
+
+// Check messages are assembled with std::to_string, never by streaming a
+// number into a std::ostream: on the lent H200 image (torch 2.11.0+cu130,
+// g++ 13.3) an extension that formats a number that way crashes (SIGSEGV)
+// when the check fails, so a bad input killed the process instead of
+// raising. Strings and these types only; anything else does not compile.
+inline void msg_append(std::string& s, const char* v) { s += v; }
+inline void msg_append(std::string& s, const std::string& v) { s += v; }
+inline void msg_append(std::string& s, char v) { s += v; }
+template <typename T, std::enable_if_t<std::is_arithmetic_v<T>, int> = 0>
+void msg_append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+inline void msg_append(std::string& s, c10::IntArrayRef v) {
+  s += '[';
+  for (size_t i = 0; i < v.size(); ++i) {
+    if (i > 0) s += ", ";
+    s += std::to_string(v[i]);
+  }
+  s += ']';
+}
+inline void msg_append(std::string& s, c10::ScalarType v) { s += c10::toString(v); }
+inline void msg_append(std::string& s, const c10::Device& v) { s += v.str(); }
+
+template <typename... Args>
+std::string msg(const Args&... args) {
+  std::string s;
+  (msg_append(s, args), ...);
+  return s;
+}
+
+}  // namespace detail
+}  // namespace pyg_fastattn
+
+#define PFA_CHECK(cond, ...) \
+  TORCH_CHECK(cond, ::pyg_fastattn::detail::msg("pyg_fastattn: ", __VA_ARGS__))
 
 // Floating types every op takes. CPU kernels instantiate float/double (and
 // may add half/bfloat16); CUDA kernels all four, accumulating in float.

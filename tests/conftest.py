@@ -44,11 +44,13 @@ _CPP_ERRORS = None
 def cpp_errors():
     """Skips unless an error raised by an op's C++ checks reaches Python.
 
-    Some torch builds crash the process (SIGSEGV) on any C++ exception
-    thrown by a JIT-built extension; on the lent H200 image (torch
-    2.11.0+cu130, g++ 13.3) even a five-line TORCH_LIBRARY op does. The
-    public API validates in Python first, so only direct calls of the
-    registered ops meet this. Probed once, in a subprocess."""
+    On the lent H200 image (torch 2.11.0+cu130, g++ 13.3) a JIT-built
+    extension whose failed check streams a number into its message crashes
+    (SIGSEGV; a five-line TORCH_LIBRARY op does too). PFA_CHECK therefore
+    formats numbers with std::to_string (csrc/common.h); this probe runs
+    such a failing check (shape and rank in the message) in a subprocess
+    once, and skips the tests of direct op calls with bad input where it
+    still crashes. The public API validates in Python first."""
     global _CPP_ERRORS
     if not _build.load().native:
         pytest.skip(f'native kernels unavailable: {_build.load().error}')
@@ -56,8 +58,8 @@ def cpp_errors():
         import subprocess
         import sys
         code = ('import torch\nfrom pyg_fastattn import _build\n_build.load()\n'
-                'try:\n    torch.ops.pyg_fastattn.segment_sum('
-                'torch.zeros(3), None, torch.zeros(2, 1))\n'
+                'try:\n    torch.ops.pyg_fastattn.segment_sum(torch.zeros('
+                '3, dtype=torch.long), None, torch.zeros(2, 1, 1))\n'
                 'except RuntimeError:\n    print("raised")\n')
         r = subprocess.run([sys.executable, '-c', code], capture_output=True,
                            text=True, timeout=600)

@@ -284,8 +284,12 @@ def test_attention_bias_bad_size(device, cpp_errors):
     N, H, C = rowptr.numel() - 1, 2, 8
     a_src, a_dst = torch.randn(Ns, H, device=device), torch.randn(N, H, device=device)
     v, bias = torch.randn(Ns, H, C, device=device), torch.randn(H * C - 1, device=device)
-    with pytest.raises(RuntimeError, match='bias'):
+    with pytest.raises(RuntimeError, match='`bias` must have H \\* C = 16 '
+                       'elements, got 15'):
         K.attention(rowptr, col, a_src, a_dst, None, None, v, 0.2, bias)
+    with pytest.raises(RuntimeError, match=r'`values` must be 3-D, got shape '
+                       r'\[2, 8\]'):  # numbers and sizes in messages
+        K.attention(rowptr, col, a_src, a_dst, None, None, v[:2, 0], 0.2)
 
 
 @pytest.mark.parametrize('device', DEVICES)
