@@ -45,8 +45,10 @@ class FastGATConv(GATConv):
 
     Work and memory: the layer computes per-node scores
     ``a_src = <h_src, att_src>`` [N_src, H] and ``a_dst`` [N_dst, H] (one
-    GEMM, inside the attention's autograd node; backward is one pass over
-    the transpose that recomputes the attention weights); edge
+    GEMM, inside the attention's autograd node together with ``lin`` and,
+    when nothing comes between, the bias, which the kernel adds as it stores
+    the output; backward is one pass over the transpose that recomputes the
+    attention weights); edge
     features enter through ``edge_attr @ W_eff`` [E, H] with ``att_edge``
     folded into ``lin_edge``'s weight (``W_eff`` [D, H]), so nothing of size
     [E, H * C] exists in forward or backward. The graph (CSR by destination,
