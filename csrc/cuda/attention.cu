@@ -205,9 +205,9 @@ __global__ void __launch_bounds__(kBlock)
 // fewest that cover C in V-element units; 32 / G pairs per warp, warps
 // grid-stride over the pairs), so each warp load covers consecutive bytes of
 // grad_out and out. Packs RowInfo {a_dst, lse, delta = <grad_out[i, h],
-// out[i, h] - bias[h]>} (delta summed over the G lanes by shuffles); all threads also
-// zero grad_z at the positions no warp visits: k >= colptr[Ns] (CSC order)
-// or e >= rowptr[N] (CSR).
+// out[i, h] - bias[h]>} (delta summed over the G lanes by shuffles); all
+// threads also zero grad_z at the positions no warp visits: k >= colptr[Ns]
+// (CSC order) or e >= rowptr[N] (CSR).
 template <typename scalar_t, typename index_t, int V>
 __global__ void __launch_bounds__(kBlock)
     bwd_prologue_kernel(AttnArgs<scalar_t, index_t> a,

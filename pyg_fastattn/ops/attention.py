@@ -69,11 +69,17 @@ def _score_weight(att: Tensor) -> Tensor:
 
 def _score_weight_grad(P: Tensor, H: int, C: int, K: int) -> Tensor:
     """Gradient of att [K, H, C] in ``h.view(N, H*C) @ _score_weight(att)``
-    from ``P = h.view(N, H*C).t() @ g`` [H*C, K*H] (g the output gradient)."""
+    from ``P = h.view(N, H*C).t() @ g`` [H*C, K*H] (g the output gradient;
+    P comes from :func:`_flat_t_mm`, or through x when ``h = x @ W.t()``)."""
     gb = P.view(H, C, K, H)
     # contiguous: the parameters' AccumulateGrad then takes slices as they
     # are instead of copying each one into a new buffer (two more ops).
     return gb.diagonal(dim1=0, dim2=3).permute(1, 2, 0).contiguous()
+
+
+def _flat_t_mm(h: Tensor, g: Tensor) -> Tensor:
+    """``h.view(N, H*C).t() @ g`` for h [N, H, C]."""
+    return h.reshape(h.size(0), -1).t().mm(g)
 
 
 class GATAttention(torch.autograd.Function):
@@ -145,7 +151,7 @@ class GATAttention(torch.autograd.Function):
                 P = weight.mm(M)
             else:
                 g_h2.addmm_(g_a, B.t())
-                P = h_src.view(Ns, H * C).t().mm(g_a)
+                P = _flat_t_mm(h_src, g_a)
                 if weight is not None:
                     g_x = g_h2.mm(weight) if need[6] else None
                     g_w = g_h2.t().mm(x) if need[7] else None
@@ -153,12 +159,11 @@ class GATAttention(torch.autograd.Function):
             g_att_src, g_att_dst = g_att[:1], g_att[1:]
         else:
             g_h2.addmm_(g_src, B.t())
-            g_att_src = _score_weight_grad(
-                h_src.view(Ns, H * C).t().mm(g_src), H, C, 1)
+            g_att_src = _score_weight_grad(_flat_t_mm(h_src, g_src), H, C, 1)
             if g_dst is not None:
                 g_h_dst = g_dst.mm(B_dst.t()).view(h_dst.shape)
-                g_att_dst = _score_weight_grad(
-                    h_dst.reshape(-1, H * C).t().mm(g_dst), H, C, 1)
+                g_att_dst = _score_weight_grad(_flat_t_mm(h_dst, g_dst), H,
+                                               C, 1)
         g_bias = None
         if need[14]:  # a column sum as one mat-vec product
             g2 = grad_out.reshape(-1, H * C)
