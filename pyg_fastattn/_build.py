@@ -76,6 +76,8 @@ def _flags(with_cuda: bool):
     if sys.platform.startswith('linux'):
         cflags.append('-fopenmp')  # at::parallel_for runs serially without it
         ldflags.append('-fopenmp')
+    if with_cuda:
+        cflags.append('-DPFA_WITH_CUDA')  # CUDA registrations in csrc/ops
     cuda_flags = ['-O3', '--expt-relaxed-constexpr', '-lineinfo'] if with_cuda else []
     return cflags, ldflags, cuda_flags
 
@@ -153,7 +155,6 @@ def load() -> _State:
                 with_cuda = _want_cuda()
                 _state.build_dir = _compile_and_load(root, with_cuda)
                 _state.native, _state.cuda = True, with_cuda
-                from .ops import _fake  # noqa: F401  (torch.compile support)
             except Exception as e:  # noqa: BLE001
                 if mode == 'native':
                     raise
@@ -175,14 +176,6 @@ def native_available(device: torch.device) -> bool:
     if device.type == 'cpu':
         return True
     return device.type == 'cuda' and st.cuda
-
-
-def backend_for(device: torch.device):
-    """``torch.ops.pyg_fastattn`` or the reference module, per device."""
-    if native_available(device):
-        return torch.ops.pyg_fastattn
-    from . import reference
-    return reference
 
 
 def info() -> dict:

@@ -93,7 +93,9 @@ def sddmm_dot(a: Tensor, b: Tensor, a_idx: Tensor, b_idx: Tensor) -> Tensor:
 
 
 def spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor],
-         weight_perm: Optional[Tensor], values: Tensor) -> Tensor:
+         weight_perm: Optional[Tensor], values: Tensor,
+         colptr: Optional[Tensor] = None, csc_row: Optional[Tensor] = None,
+         csc_perm: Optional[Tensor] = None) -> Tensor:
     N = rowptr.numel() - 1
     E = col.numel()
     _, H, C = values.shape
@@ -133,7 +135,10 @@ def _attention_scores(rowptr, col, a_src, a_dst, a_edge, negative_slope, t):
 def attention(rowptr: Tensor, col: Tensor, a_src: Optional[Tensor],
               a_dst: Optional[Tensor], a_edge: Optional[Tensor],
               mask: Optional[Tensor], values: Tensor, negative_slope: float,
-              bias: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+              bias: Optional[Tensor] = None, colptr: Optional[Tensor] = None,
+              csc_row: Optional[Tensor] = None,
+              csc_perm: Optional[Tensor] = None,
+              csc_inv: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     N = rowptr.numel() - 1
     _, H, C = values.shape
     t = _opmath(values.dtype)
@@ -181,3 +186,69 @@ def attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
         grad_z = grad_z[perm]  # CSC order
     dt = values.dtype
     return grad_values.to(dt), grad_z.to(dt), grad_a_src.to(dt)
+
+
+def gat_attention(rowptr: Tensor, col: Tensor, colptr: Tensor, csc_row: Tensor,
+                  csc_perm: Tensor, csc_inv: Tensor, x: Optional[Tensor],
+                  weight: Optional[Tensor], h_src: Optional[Tensor],
+                  att_src: Tensor, h_dst: Optional[Tensor], att_dst: Tensor,
+                  a_edge: Optional[Tensor], mask: Optional[Tensor],
+                  bias: Optional[Tensor], negative_slope: float,
+                  dst_is_src: bool):
+    _, H, C = att_src.shape
+    h = (x @ weight.t() if weight is not None else h_src).reshape(-1, H, C)
+    a_src = (h * att_src).sum(-1)
+    a_dst = None
+    if dst_is_src:
+        a_dst = (h * att_dst).sum(-1)
+    elif h_dst is not None:
+        a_dst = (h_dst.reshape(-1, H, C) * att_dst).sum(-1)
+    out, lse = attention(rowptr, col, a_src, a_dst, a_edge, mask, h,
+                         negative_slope, bias)
+    empty = h.new_empty((0, ))
+    return (out, lse, h if weight is not None else empty, a_src,
+            empty if a_dst is None else a_dst)
+
+
+def gat_attention_backward(grad_out: Tensor, rowptr: Tensor, col: Tensor,
+                           colptr: Tensor, csc_row: Tensor, csc_perm: Tensor,
+                           csc_inv: Tensor, x: Optional[Tensor],
+                           weight: Optional[Tensor], h: Tensor,
+                           att_src: Tensor, h_dst: Optional[Tensor],
+                           att_dst: Tensor, a_src: Tensor, a_dst: Tensor,
+                           a_edge: Optional[Tensor], mask: Optional[Tensor],
+                           bias: Optional[Tensor], out: Tensor, lse: Tensor,
+                           negative_slope: float, dst_is_src: bool,
+                           output_mask) -> list:
+    _, H, C = att_src.shape
+    h = h.reshape(-1, H, C)
+    has_dst = a_dst.numel() > 0
+    need_edge = bool(output_mask[6]) and a_edge is not None
+    g_h, g_z, g_src = attention_backward(
+        rowptr, col, colptr, csc_row, csc_perm, a_src,
+        a_dst if has_dst else None, a_edge, mask, h, negative_slope, out, lse,
+        grad_out, need_edge, bias)
+    g_h = g_h + g_src.unsqueeze(-1) * att_src
+    g_att_src = (g_src.unsqueeze(-1) * h).sum(0, keepdim=True)
+    g_h_dst = g_att_dst = None
+    if has_dst:
+        g_dst = segment_sum(rowptr, None if need_edge else csc_inv, g_z)
+        hd = h if dst_is_src else h_dst.reshape(-1, H, C)
+        g_att_dst = (g_dst.unsqueeze(-1) * hd).sum(0, keepdim=True)
+        if dst_is_src:
+            g_h = g_h + g_dst.unsqueeze(-1) * att_dst
+        else:
+            g_h_dst = (g_dst.unsqueeze(-1) * att_dst).view(h_dst.shape)
+    g_x = g_w = None
+    if weight is not None:
+        g_x = g_h.reshape(h.size(0), -1) @ weight
+        g_w = g_h.reshape(h.size(0), -1).t() @ x
+        g_h = None
+    g_bias = None
+    if bias is not None:
+        g_bias = grad_out.reshape(-1, bias.numel()).sum(0).view(bias.shape)
+    grads = (g_x, g_w, g_h, g_att_src, g_h_dst, g_att_dst,
+             g_z if need_edge else None, g_bias)
+    empty = h.new_empty((0, ))
+    return [g if want and g is not None else empty
+            for g, want in zip(grads, output_mask)]

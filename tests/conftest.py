@@ -6,6 +6,7 @@ import torch
 
 import pyg_fastattn
 from pyg_fastattn import _build, reference
+from pyg_fastattn.ops._lib import use_reference
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / 'examples' / 'train_cora.py'
@@ -28,13 +29,15 @@ def load_example():
 
 
 @pytest.fixture(params=['native', 'reference'])
-def backend(request, monkeypatch):
+def backend(request):
     """Run a test against the compiled kernels and against the fallback."""
     if request.param == 'reference':
-        monkeypatch.setattr(_build, 'backend_for', lambda device: reference)
-    elif not _build.load().native:
+        with use_reference():
+            yield request.param
+        return
+    if not _build.load().native:
         pytest.skip(f'native kernels unavailable: {_build.load().error}')
-    return request.param
+    yield request.param
 
 
 @pytest.fixture

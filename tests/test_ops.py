@@ -12,6 +12,8 @@ from graphs import csr_from_degrees, make_graph, noncontig
 GRAPHS = ['mixed', 'huge', 'empty', 'single', 'deg1']
 HC = [(1, 1), (4, 7), (8, 33), (1, 64), (8, 64)]
 IDX = [torch.int32, torch.int64]
+NO_CSC = (None, ) * 4  # the attention op's transpose arguments (backward only)
+NO_BIAS_CSC = (None, ) + NO_CSC
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 
 
@@ -213,7 +215,7 @@ def test_attention_backward_kernel_orders(device, grad_z_csr, heads):
     prepared graph); grad_z is 0 on the tail."""
     if not _build.load().native:
         pytest.skip(f'native kernels unavailable: {_build.load().error}')
-    K = _build.backend_for(torch.device(device))
+    K = torch.ops.pyg_fastattn
     rowptr, col, Ns = make_graph('mixed', torch.int32, device)
     E0 = col.numel()
     tail = torch.randint(Ns, (7, ), device=device, dtype=col.dtype)
@@ -247,7 +249,7 @@ def test_attention_bias_kernels(device, dtype, heads, C, with_mask):
     the lean backward; C = 40 more than one unit per lane."""
     if not _build.load().native:
         pytest.skip(f'native kernels unavailable: {_build.load().error}')
-    K = _build.backend_for(torch.device(device))
+    K = torch.ops.pyg_fastattn
     rowptr, col, Ns = make_graph('mixed', torch.int64, device)
     N, E, H = rowptr.numel() - 1, col.numel(), heads
     assert bool((rowptr[1:] == rowptr[:-1]).any())  # has empty rows
@@ -257,8 +259,8 @@ def test_attention_bias_kernels(device, dtype, heads, C, with_mask):
     mask = (torch.rand(E, H, **d) > 0.3).to(dtype) * 1.5 if with_mask else None
     csc = ops.csr_to_csc(rowptr, col, Ns, validate=False)
     tol = dict(atol=1e-5, rtol=1e-4) if dtype == torch.float32 else {}
-    out0, lse0 = K.attention(rowptr, col, a_src, a_dst, None, mask, v, 0.2)
-    out, lse = K.attention(rowptr, col, a_src, a_dst, None, mask, v, 0.2, bias)
+    out0, lse0 = K.attention(rowptr, col, a_src, a_dst, None, mask, v, 0.2, *NO_BIAS_CSC)
+    out, lse = K.attention(rowptr, col, a_src, a_dst, None, mask, v, 0.2, bias, *NO_CSC)
     ref, ref_lse = R.attention(rowptr, col, a_src, a_dst, None, mask, v, 0.2,
                                bias)
     torch.testing.assert_close(out, ref, **tol)
@@ -283,17 +285,19 @@ def test_attention_bias_bad_size(device):
     lent H200 image a streamed number crashed the process instead)."""
     if not _build.load().native:
         pytest.skip(f'native kernels unavailable: {_build.load().error}')
-    K = _build.backend_for(torch.device(device))
+    K = torch.ops.pyg_fastattn
     rowptr, col, Ns = make_graph('mixed', torch.int64, device)
     N, H, C = rowptr.numel() - 1, 2, 8
     a_src, a_dst = torch.randn(Ns, H, device=device), torch.randn(N, H, device=device)
     v, bias = torch.randn(Ns, H, C, device=device), torch.randn(H * C - 1, device=device)
     with pytest.raises(RuntimeError, match='`bias` must have H \\* C = 16 '
                        'elements, got 15'):
-        K.attention(rowptr, col, a_src, a_dst, None, None, v, 0.2, bias)
+        K.attention(rowptr, col, a_src, a_dst, None, None, v, 0.2, bias,
+                    *NO_CSC)
     with pytest.raises(RuntimeError, match=r'`values` must be 3-D, got shape '
                        r'\[2, 8\]'):  # numbers and sizes in messages
-        K.attention(rowptr, col, a_src, a_dst, None, None, v[:2, 0], 0.2)
+        K.attention(rowptr, col, a_src, a_dst, None, None, v[:2, 0], 0.2,
+                    *NO_BIAS_CSC)
 
 
 @pytest.mark.parametrize('device', DEVICES)
@@ -436,11 +440,11 @@ def test_segment_sum_tail_and_invalid(backend, device, graph, heads, idx,
     bad[k[0::3]] = -1
     bad[k[1::3]] = Es
     bad[k[2::3]] = Es + 1000
-    K = _build.backend_for(torch.device(device))
+    K = torch.ops.pyg_fastattn
     got = K.segment_sum(rowptr, bad, src)
     _close(got, _seg_ref(rowptr, bad, src.double()), dtype, 'invalid perm')
     if device == 'cuda':
-        cpu = _build.backend_for(torch.device('cpu')).segment_sum(
+        cpu = torch.ops.pyg_fastattn.segment_sum(
             rowptr.cpu(), bad.cpu(), src.cpu())
         _close(got.cpu(), cpu, dtype, 'CUDA vs CPU')
         assert torch.equal(K.segment_sum(rowptr, bad, src), got)
@@ -467,7 +471,7 @@ def test_segment_sum_large(device, avg_deg, heads, idx, dtype):
     E = int(deg.sum())
     perm = torch.randperm(E, device=device).to(idx)
     src = torch.randn(E, heads, device=device).to(dtype)
-    K = _build.backend_for(torch.device(device))
+    K = torch.ops.pyg_fastattn
     for p in (perm, None):
         got = K.segment_sum(rowptr, p, src) if dtype == torch.float32 or \
             device == 'cuda' else ops.segment_sum(rowptr, src, p)

@@ -64,7 +64,11 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
     const c10::optional<at::Tensor>& a_src_, const c10::optional<at::Tensor>& a_dst_,
     const c10::optional<at::Tensor>& a_edge_, const c10::optional<at::Tensor>& mask_,
     const at::Tensor& values_, double negative_slope,
-    const c10::optional<at::Tensor>& bias_) {
+    const c10::optional<at::Tensor>& bias_,
+    const c10::optional<at::Tensor>& /*colptr*/,
+    const c10::optional<at::Tensor>& /*csc_row*/,
+    const c10::optional<at::Tensor>& /*csc_perm*/,
+    const c10::optional<at::Tensor>& /*csc_inv*/) {
   check_attention(rowptr_, col_, a_src_, a_dst_, a_edge_, mask_, values_, bias_);
   const at::Tensor bias = cpu::contiguous_or_undefined(bias_);
   const Inputs in = contiguous_inputs(rowptr_, col_, a_src_, a_dst_, a_edge_, mask_, values_);
@@ -75,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
   at::Tensor lse = at::empty(
       {N, H}, in.values.options().dtype(opmath_type(in.values.scalar_type())));
   PFA_DISPATCH_INDEX(in.rowptr.scalar_type(), "attention_cpu", [&] {
-    AT_DISPATCH_FLOATING_TYPES(in.values.scalar_type(), "attention_cpu", [&] {
+    PFA_DISPATCH_FLOATS(in.values.scalar_type(), "attention_cpu", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
       const Scores<scalar_t> scores = make_scores<scalar_t>(in, negative_slope);
@@ -170,7 +174,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
   at::Tensor rinfo = at::empty({N, H, 4}, lse.options());
   PFA_DISPATCH_INDEX(in.rowptr.scalar_type(), "attention_backward_cpu", [&] {
     if (!grad_z_csr) cpu::zero_outside_rows(g_z, colptr.const_data_ptr<index_t>(), Ns);
-    AT_DISPATCH_FLOATING_TYPES(in.values.scalar_type(), "attention_backward_cpu", [&] {
+    PFA_DISPATCH_FLOATS(in.values.scalar_type(), "attention_backward_cpu", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       const index_t* cp = colptr.const_data_ptr<index_t>();
       const index_t* rw = row.const_data_ptr<index_t>();

@@ -19,9 +19,11 @@ at::Tensor edge_softmax_cpu(const at::Tensor& rowptr_, const at::Tensor& scores_
   const int64_t N = rowptr.numel() - 1, E = scores.size(0), H = scores.size(1);
   at::Tensor out = at::empty({E, H}, scores.options());
   PFA_DISPATCH_INDEX(rowptr.scalar_type(), "edge_softmax_cpu", [&] {
-    AT_DISPATCH_FLOATING_TYPES(scores.scalar_type(), "edge_softmax_cpu", [&] {
+    PFA_DISPATCH_FLOATS(scores.scalar_type(), "edge_softmax_cpu", [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      static_assert(std::is_same_v<acc_t, scalar_t>, "out holds exp() unrounded");
+      // float/double: out holds exp() until the last pass; half types
+      // recompute it there instead of rounding it twice.
+      constexpr bool exact = std::is_same_v<acc_t, scalar_t>;
       const index_t* rp = rowptr.const_data_ptr<index_t>();
       const scalar_t* s = scores.const_data_ptr<scalar_t>();
       scalar_t* o = out.data_ptr<scalar_t>();
@@ -40,12 +42,16 @@ at::Tensor edge_softmax_cpu(const at::Tensor& rowptr_, const at::Tensor& scores_
           for (int64_t k = b; k < e; ++k)
             for (int64_t h = 0; h < H; ++h) {
               const acc_t ex = std::exp(acc_t(s[k * H + h]) - m[h]);
-              o[k * H + h] = ex;  // exact: scalar_t is acc_t on CPU
+              if constexpr (exact) o[k * H + h] = ex;
               den[h] += ex;
             }
           for (int64_t k = b; k < e; ++k)
-            for (int64_t h = 0; h < H; ++h)  // den == 0: empty or all -inf
-              o[k * H + h] = den[h] == 0 ? scalar_t(0) : o[k * H + h] / den[h];
+            for (int64_t h = 0; h < H; ++h) {  // den == 0: empty or all -inf
+              acc_t ex;
+              if constexpr (exact) ex = o[k * H + h];
+              else ex = std::exp(acc_t(s[k * H + h]) - m[h]);
+              o[k * H + h] = den[h] == 0 ? scalar_t(0) : scalar_t(ex / den[h]);
+            }
         }
       });
     });
@@ -64,7 +70,7 @@ at::Tensor edge_softmax_backward_cpu(const at::Tensor& rowptr_,
   const int64_t N = rowptr.numel() - 1, E = out.size(0), H = out.size(1);
   at::Tensor grad = at::empty({E, H}, out.options());
   PFA_DISPATCH_INDEX(rowptr.scalar_type(), "edge_softmax_backward_cpu", [&] {
-    AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "edge_softmax_backward_cpu", [&] {
+    PFA_DISPATCH_FLOATS(out.scalar_type(), "edge_softmax_backward_cpu", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       const index_t* rp = rowptr.const_data_ptr<index_t>();
       const scalar_t* y = out.const_data_ptr<scalar_t>();

@@ -15,7 +15,7 @@ at::Tensor sddmm_dot_cpu(const at::Tensor& a_, const at::Tensor& b_,
                 H = a.size(1), C = a.size(2);
   at::Tensor out = at::empty({E, H}, a.options());
   PFA_DISPATCH_INDEX(a_idx.scalar_type(), "sddmm_dot_cpu", [&] {
-    AT_DISPATCH_FLOATING_TYPES(a.scalar_type(), "sddmm_dot_cpu", [&] {
+    PFA_DISPATCH_FLOATS(a.scalar_type(), "sddmm_dot_cpu", [&] {
       const index_t* ai = a_idx.const_data_ptr<index_t>();
       const index_t* bi = b_idx.const_data_ptr<index_t>();
       const scalar_t* pa = a.const_data_ptr<scalar_t>();

@@ -11,7 +11,10 @@ namespace {
 at::Tensor spmm_cpu(const at::Tensor& rowptr_, const at::Tensor& col_,
                     const c10::optional<at::Tensor>& weight_,
                     const c10::optional<at::Tensor>& weight_perm_,
-                    const at::Tensor& values_) {
+                    const at::Tensor& values_,
+    const c10::optional<at::Tensor>& /*colptr*/,
+    const c10::optional<at::Tensor>& /*csc_row*/,
+    const c10::optional<at::Tensor>& /*csc_perm*/) {
   check_spmm(rowptr_, col_, weight_, weight_perm_, values_);
   const at::Tensor rowptr = rowptr_.contiguous(), col = col_.contiguous(),
                    values = values_.contiguous();
@@ -22,7 +25,7 @@ at::Tensor spmm_cpu(const at::Tensor& rowptr_, const at::Tensor& col_,
                 Ew = weight.defined() ? weight.size(0) : 0;
   at::Tensor out = at::empty({N, H, C}, values.options());
   PFA_DISPATCH_INDEX(rowptr.scalar_type(), "spmm_cpu", [&] {
-    AT_DISPATCH_FLOATING_TYPES(values.scalar_type(), "spmm_cpu", [&] {
+    PFA_DISPATCH_FLOATS(values.scalar_type(), "spmm_cpu", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       const index_t* rp = rowptr.const_data_ptr<index_t>();
       const index_t* cl = col.const_data_ptr<index_t>();
@@ -71,7 +74,7 @@ at::Tensor segment_sum_cpu(const at::Tensor& rowptr_,
                 E = perm.defined() ? perm.numel() : Es;
   at::Tensor out = at::empty({N, H}, src.options());
   PFA_DISPATCH_INDEX(rowptr.scalar_type(), "segment_sum_cpu", [&] {
-    AT_DISPATCH_FLOATING_TYPES(src.scalar_type(), "segment_sum_cpu", [&] {
+    PFA_DISPATCH_FLOATS(src.scalar_type(), "segment_sum_cpu", [&] {
       using acc_t = at::opmath_type<scalar_t>;
       const index_t* rp = rowptr.const_data_ptr<index_t>();
       const index_t* pm = cpu::data_or_null<index_t>(perm);

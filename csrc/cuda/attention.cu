@@ -550,7 +550,11 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
     const c10::optional<at::Tensor>& a_dst_in,
     const c10::optional<at::Tensor>& a_edge_in,
     const c10::optional<at::Tensor>& mask_in, const at::Tensor& values_in,
-    double negative_slope, const c10::optional<at::Tensor>& bias_in) {
+    double negative_slope, const c10::optional<at::Tensor>& bias_in,
+    const c10::optional<at::Tensor>& /*colptr*/,
+    const c10::optional<at::Tensor>& /*csc_row*/,
+    const c10::optional<at::Tensor>& /*csc_perm*/,
+    const c10::optional<at::Tensor>& /*csc_inv*/) {
   check_attention(rowptr_in, col_in, a_src_in, a_dst_in, a_edge_in, mask_in,
                   values_in, bias_in);
   c10::cuda::CUDAGuard guard(values_in.device());

@@ -316,7 +316,10 @@ bool launch_segment_sum_narrow(SpmmArgs<scalar_t, index_t> a, int64_t H) {
 at::Tensor spmm_cuda(const at::Tensor& rowptr_in, const at::Tensor& col_in,
                      const c10::optional<at::Tensor>& weight_in,
                      const c10::optional<at::Tensor>& weight_perm_in,
-                     const at::Tensor& values_in) {
+                     const at::Tensor& values_in,
+    const c10::optional<at::Tensor>& /*colptr*/,
+    const c10::optional<at::Tensor>& /*csc_row*/,
+    const c10::optional<at::Tensor>& /*csc_perm*/) {
   check_spmm(rowptr_in, col_in, weight_in, weight_perm_in, values_in);
   c10::cuda::CUDAGuard guard(values_in.device());
   const at::Tensor rowptr = rowptr_in.contiguous();

@@ -85,38 +85,3 @@ void check_attention_backward(const at::Tensor& rowptr, const at::Tensor& col,
 }
 
 }  // namespace pyg_fastattn
-
-TORCH_LIBRARY_FRAGMENT(pyg_fastattn, m) {
-  // For each row i (destination) and edge e = (j -> i) in it, per head h:
-  //   z[e] = a_src[j] + a_dst[i] + a_edge[e]      (absent terms are 0)
-  //   s[e] = z[e] > 0 ? z[e] : negative_slope * z[e]   (1.0: identity)
-  //   alpha = softmax over the row of s;  p[e] = alpha[e] * mask[e]
-  //   out[i] = sum_e p[e] * values[j]              -> out [N, H, C]
-  //   lse[i] = log sum_e exp(s[e])                 -> [N, H], opmath dtype
-  // Empty rows and rows whose s are all -inf give out = 0, lse = -inf.
-  // bias (H * C elements, values' dtype) is added to every row of out
-  // (empty ones too) in the same store.
-  m.def("attention(Tensor rowptr, Tensor col, Tensor? a_src, Tensor? a_dst, "
-        "Tensor? a_edge, Tensor? mask, Tensor values, float negative_slope, "
-        "Tensor? bias=None) -> (Tensor, Tensor)");
-  // Gradients, in one pass over the transpose (colptr [Ns+1], row [E], perm
-  // [E]: CSR row and CSR position of each CSC entry), alpha recomputed from
-  // lse:
-  //   g[e] = mask[e] * <grad_out[i, h], values[j, h]>
-  //   grad_s[e] = alpha[e] * (g[e] - <grad_out[i, h], out[i, h]>)
-  //   grad_z[e] = grad_s[e] * (z[e] > 0 ? 1 : negative_slope)
-  //   grad_values[j] = sum_{e = (j -> i)} alpha[e] * mask[e] * grad_out[i]
-  //   grad_a_src[j] = sum_{e = (j -> i)} grad_z[e]
-  // Returns (grad_values [Ns, H, C], grad_z [E, H], grad_a_src [Ns, H]).
-  // grad_z is in CSC order (entry k for CSC entry k; 0 at k >= colptr[Ns];
-  // coalesced writes), or in CSR order with grad_z_csr (0 at e >= rowptr[N];
-  // for callers that need the per-edge gradient itself). grad_a_dst is the
-  // CSR row sum of grad_z (in CSC order: of grad_z[inv]). With the forward's
-  // bias, out includes it and the same bias must be passed here: the delta
-  // above uses out - bias.
-  m.def("attention_backward(Tensor rowptr, Tensor col, Tensor colptr, "
-        "Tensor row, Tensor perm, Tensor? a_src, Tensor? a_dst, "
-        "Tensor? a_edge, Tensor? mask, Tensor values, float negative_slope, "
-        "Tensor out, Tensor lse, Tensor grad_out, bool grad_z_csr=False, "
-        "Tensor? bias=None) -> (Tensor, Tensor, Tensor)");
-}

@@ -27,11 +27,6 @@ void check_float(const at::Tensor& t, const char* name, int64_t dim) {
             "` must be a floating-point tensor, got ", t.scalar_type());
   PFA_CHECK(t.dim() == dim, "`", name, "` must be ", dim, "-D, got shape ",
             t.sizes());
-  if (t.is_cpu()) {
-    PFA_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kDouble,
-              "`", name, "`: CPU kernels take float32 or float64, got ",
-              t.scalar_type());
-  }
 }
 
 void check_same_device(const at::Tensor& ref, const at::Tensor& t,

@@ -22,12 +22,3 @@ void check_edge_softmax_backward(const at::Tensor& rowptr,
 }
 
 }  // namespace pyg_fastattn
-
-TORCH_LIBRARY_FRAGMENT(pyg_fastattn, m) {
-  // out[e, h] = exp(s[e, h] - max_row) / sum_row exp(...), rows given by
-  // rowptr. Rows without edges are fine; a row whose scores are all -inf
-  // gives 0.
-  m.def("edge_softmax(Tensor rowptr, Tensor scores) -> Tensor");
-  // grad_scores = out * (grad_out - sum_row(out * grad_out)).
-  m.def("edge_softmax_backward(Tensor rowptr, Tensor out, Tensor grad_out) -> Tensor");
-}

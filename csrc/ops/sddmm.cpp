@@ -23,9 +23,3 @@ void check_sddmm_dot(const at::Tensor& a, const at::Tensor& b,
 }
 
 }  // namespace pyg_fastattn
-
-TORCH_LIBRARY_FRAGMENT(pyg_fastattn, m) {
-  // out[e, h] = sum_c a[a_idx[e], h, c] * b[b_idx[e], h, c]  -> [E, H].
-  // An out-of-range index gives 0 for that edge (Python validates first).
-  m.def("sddmm_dot(Tensor a, Tensor b, Tensor a_idx, Tensor b_idx) -> Tensor");
-}

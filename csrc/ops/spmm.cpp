@@ -39,13 +39,3 @@ void check_segment_sum(const at::Tensor& rowptr,
 }
 
 }  // namespace pyg_fastattn
-
-TORCH_LIBRARY_FRAGMENT(pyg_fastattn, m) {
-  // out[i, h, :] = sum_{e in row i} w[h] * values[col[e], h, :], where
-  // w = weight[weight_perm[e], h] if weight_perm is given, weight[e, h] if
-  // not, and 1 without weight. -> [N, H, C]. Empty rows give 0.
-  m.def("spmm(Tensor rowptr, Tensor col, Tensor? weight, Tensor? weight_perm, "
-        "Tensor values) -> Tensor");
-  // out[i, h] = sum_{k in row i} src[perm[k] if perm else k, h]  -> [N, H].
-  m.def("segment_sum(Tensor rowptr, Tensor? perm, Tensor src) -> Tensor");
-}

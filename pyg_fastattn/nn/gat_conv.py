@@ -6,13 +6,13 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.parameter import UninitializedParameter
 from torch_geometric.nn.conv import GATConv
+from torch_geometric.nn.dense.linear import Linear
 
 from .. import ops
 from .graph import PreparedGraph, _sparse_tensor_cls, get_graph, is_sparse_adj
 
 __all__ = ['FastGATConv']
 
-_CPU_UPCAST = (torch.float16, torch.bfloat16)
 
 
 class FastGATConv(GATConv):
@@ -130,13 +130,10 @@ class FastGATConv(GATConv):
 
         h_src, h_dst = x_src, x_dst
         att_src, att_dst = self.att_src, self.att_dst
-        dt = x_src.dtype
-        if x_src.device.type == 'cpu' and dt in _CPU_UPCAST:
-            # CPU kernels take float32/float64.
-            up = lambda t: None if t is None else t.float()  # noqa: E731
-            h_src, att_src, att_dst = up(h_src), up(att_src), up(att_dst)
-            h_dst = h_src if x_dst is x_src else up(h_dst)
-        cast = lambda t: None if t is None else t.to(h_src.dtype)  # noqa: E731
+        # Under autocast the ops cast every float input themselves.
+        autocast = torch.is_autocast_enabled(x_src.device.type)
+        dt = x_src.dtype if lin_x is None else self.lin.weight.dtype
+        cast = lambda t: None if t is None or autocast else t.to(dt)  # noqa: E731
         a_edge, mask = cast(a_edge), cast(mask)
 
         bias = self.bias
@@ -149,8 +146,9 @@ class FastGATConv(GATConv):
         else:  # score terms (and the bias) inside the fused op: one node
             shared = h_dst is h_src
             # out + bias is the same [N, H * C] sum when nothing comes between
-            fuse = (bias is not None and res is None and h_src.dtype == dt
-                    and bias.dtype == dt and (self.concat or H == 1))
+            fuse = (bias is not None and res is None
+                    and (autocast or bias.dtype == dt)
+                    and (self.concat or H == 1))
             out = ops.gat_attention(
                 graph.rowptr, graph.col, graph.csc,
                 None if lin_x is not None else h_src, att_src,
@@ -160,7 +158,6 @@ class FastGATConv(GATConv):
                 weight=None if lin_x is None else self.lin.weight)
             if fuse:
                 bias = None
-        out = out.to(dt)
 
         if self.concat or H == 1:  # the mean of one head is that head
             out = out.view(-1, H * C)
@@ -179,15 +176,15 @@ class FastGATConv(GATConv):
     # Helpers ################################################################
 
     def _fused_lin(self, x: Tensor, want_weights) -> bool:
-        """Whether ``lin(x)`` can run inside the fused op (a plain bias-free
-        Linear without hooks, same dtype, no autocast, a kernel dtype)."""
+        """Whether ``lin(x)`` can run inside the fused op: PyG's own bias-free
+        ``Linear`` (not a subclass: LoRA, quantized), without hooks, with x
+        in its dtype or under autocast."""
         lin = self.lin
-        return (not want_weights and lin is not None and lin.bias is None
+        return (not want_weights and type(lin) is Linear and lin.bias is None
                 and not isinstance(lin.weight, UninitializedParameter)
                 and not lin._forward_hooks and not lin._forward_pre_hooks
-                and x.dtype == lin.weight.dtype
-                and not (x.device.type == 'cpu' and x.dtype in _CPU_UPCAST)
-                and not torch.is_autocast_enabled(x.device.type))
+                and (x.dtype == lin.weight.dtype
+                     or torch.is_autocast_enabled(x.device.type)))
 
     def _graph(self, edge_index, x_src: Tensor, x_dst: Optional[Tensor],
                size, edge_attr: Optional[Tensor]) -> PreparedGraph:

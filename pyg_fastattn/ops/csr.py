@@ -50,11 +50,6 @@ def csr_to_csc(rowptr: Tensor, col: Tensor, num_cols: int,
     return CSC(colptr, row[perm].to(dt), perm.to(dt), inv.to(dt))
 
 
-def csc_parts(csc: Optional[CSC]) -> tuple:
-    """The CSC's tensors, or four Nones (autograd.Function arguments)."""
-    return tuple(csc) if csc is not None else (None, ) * 4
-
-
 def maybe_csc(csc: Optional[CSC], rowptr: Tensor, col: Tensor,
               num_cols: int) -> CSC:
     """The given CSC, or the transpose built now (for backward)."""

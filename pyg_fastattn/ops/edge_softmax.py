@@ -1,23 +1,32 @@
-import torch
+"""``edge_softmax``: softmax over the edges of each CSR row, per head."""
 from torch import Tensor
 
-from .. import _build
+from . import _lib
 from ._checks import check_csr, check_same_device, check_tensor
 
+# out[e, h] = exp(s[e, h] - max_row) / sum_row exp(...), rows given by rowptr
+# (positions past rowptr[N] give 0). A row whose scores are all -inf gives 0.
+_lib.define('edge_softmax(Tensor rowptr, Tensor scores) -> Tensor')
+# grad_scores = out * (grad_out - sum_row(out * grad_out)).
+_lib.define('edge_softmax_backward(Tensor rowptr, Tensor out, Tensor grad_out)'
+            ' -> Tensor')
 
-class EdgeSoftmax(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, scores: Tensor, rowptr: Tensor) -> Tensor:
-        out = _build.backend_for(scores.device).edge_softmax(rowptr, scores)
-        ctx.save_for_backward(rowptr, out)
-        return out
 
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        rowptr, out = ctx.saved_tensors
-        grad = _build.backend_for(out.device).edge_softmax_backward(
-            rowptr, out, grad_out.contiguous())
-        return grad, None
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output)
+
+
+def _backward(ctx, grad_out):
+    rowptr, out = ctx.saved_tensors
+    return None, _lib.op('edge_softmax_backward')(rowptr, out,
+                                                  grad_out.contiguous())
+
+
+_lib.register('edge_softmax',
+              fake=lambda rowptr, scores: scores.new_empty(scores.shape),
+              backward=_backward, setup_context=_setup_context, autocast=True)
+_lib.register('edge_softmax_backward',
+              fake=lambda rowptr, out, grad_out: out.new_empty(out.shape))
 
 
 def edge_softmax(scores: Tensor, rowptr: Tensor, validate: bool = True) -> Tensor:
@@ -39,5 +48,5 @@ def edge_softmax(scores: Tensor, rowptr: Tensor, validate: bool = True) -> Tenso
     if validate:
         check_csr(rowptr, None, scores.size(0))
     s = scores.unsqueeze(-1) if scores.dim() == 1 else scores
-    out = EdgeSoftmax.apply(s, rowptr)
+    out = _lib.op('edge_softmax')(rowptr, s)
     return out.squeeze(-1) if scores.dim() == 1 else out

@@ -1,8 +1,15 @@
+"""``sddmm``: per-edge scores from node features (sampled dense-dense
+product)."""
 import torch
 from torch import Tensor
 
-from .. import _build
+from . import _lib
 from ._checks import check_index, check_same_device, check_tensor
+
+# out[e, h] = sum_c a[a_idx[e], h, c] * b[b_idx[e], h, c]  -> [E, H].
+# An out-of-range index gives 0 for that edge (Python validates first).
+_lib.define('sddmm_dot(Tensor a, Tensor b, Tensor a_idx, Tensor b_idx) -> '
+            'Tensor')
 
 
 def _csr_by(index: Tensor, size: int):
@@ -16,26 +23,29 @@ def _csr_by(index: Tensor, size: int):
 def _gather_grad(index, other_idx, grad, other, size):
     """grad_x[n] = sum_{e: index[e] = n} grad[e, h] * other[other_idx[e]]."""
     rowptr, perm = _csr_by(index, size)
-    return _build.backend_for(grad.device).spmm(rowptr, other_idx[perm.long()], grad,
-                                         perm, other)
+    return _lib.op('spmm')(rowptr, other_idx[perm.long()], grad, perm, other,
+                          None, None, None)
 
 
-class SDDMMDot(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, a, b, a_idx, b_idx):
-        ctx.save_for_backward(a, b, a_idx, b_idx)
-        return _build.backend_for(a.device).sddmm_dot(a, b, a_idx, b_idx)
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
 
-    @staticmethod
-    def backward(ctx, grad):
-        a, b, a_idx, b_idx = ctx.saved_tensors
-        grad = grad.contiguous()
-        ga = gb = None
-        if ctx.needs_input_grad[0]:
-            ga = _gather_grad(a_idx, b_idx, grad, b, a.size(0))
-        if ctx.needs_input_grad[1]:
-            gb = _gather_grad(b_idx, a_idx, grad, a, b.size(0))
-        return ga, gb, None, None
+
+def _backward(ctx, grad):
+    a, b, a_idx, b_idx = ctx.saved_tensors
+    grad = grad.contiguous()
+    ga = gb = None
+    if ctx.needs_input_grad[0]:
+        ga = _gather_grad(a_idx, b_idx, grad, b, a.size(0))
+    if ctx.needs_input_grad[1]:
+        gb = _gather_grad(b_idx, a_idx, grad, a, b.size(0))
+    return ga, gb, None, None
+
+
+_lib.register('sddmm_dot',
+              fake=lambda a, b, a_idx, b_idx: a.new_empty(
+                  (a_idx.shape[0], a.shape[1])),
+              backward=_backward, setup_context=_setup_context, autocast=True)
 
 
 def sddmm(a: Tensor, b: Tensor, a_idx: Tensor, b_idx: Tensor, op: str = 'dot',
@@ -74,5 +84,5 @@ def sddmm(a: Tensor, b: Tensor, a_idx: Tensor, b_idx: Tensor, op: str = 'dot',
     squeeze = a.dim() == 2
     if squeeze:
         a, b = a.unsqueeze(1), b.unsqueeze(1)
-    out = SDDMMDot.apply(a, b, a_idx, b_idx)
+    out = _lib.op('sddmm_dot')(a, b, a_idx, b_idx)
     return out.squeeze(-1) if squeeze else out

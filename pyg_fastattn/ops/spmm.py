@@ -1,34 +1,76 @@
+"""``spmm`` (weighted aggregation over CSR rows) and ``segment_sum``."""
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .. import _build
+from . import _lib
 from ._checks import check_csr, check_same_device, check_tensor, index_pair
-from .csr import CSC, csc_parts, maybe_csc, rows_of
+from .csr import CSC, maybe_csc, rows_of
+
+# out[i, h, :] = sum_{e in row i} w[h] * values[col[e], h, :], where
+# w = weight[weight_perm[e], h] if weight_perm is given, weight[e, h] if
+# not, and 1 without weight. -> [N, H, C]. Empty rows give 0.
+# colptr/csc_row/csc_perm: the transpose, read only by the backward.
+_lib.define('spmm(Tensor rowptr, Tensor col, Tensor? weight, '
+            'Tensor? weight_perm, Tensor values, Tensor? colptr, '
+            'Tensor? csc_row, Tensor? csc_perm) -> Tensor')
+# out[i, h] = sum_{k in row i} src[perm[k] if perm else k, h]  -> [N, H].
+_lib.define('segment_sum(Tensor rowptr, Tensor? perm, Tensor src) -> Tensor')
 
 
-class SpMM(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rowptr, col, colptr, row_t, perm, inv, weight, values):
-        ctx.save_for_backward(rowptr, col, colptr, row_t, perm, inv, weight,
-                              values)
-        return _build.backend_for(values.device).spmm(rowptr, col, weight, None, values)
+def _spmm_fake(rowptr, col, weight, weight_perm, values, colptr=None,
+               csc_row=None, csc_perm=None):
+    return values.new_empty((rowptr.shape[0] - 1, ) + values.shape[1:])
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        rowptr, col, *csc, weight, values = ctx.saved_tensors
-        K = _build.backend_for(values.device)
-        grad_out = grad_out.contiguous()
-        gw = gv = None
-        if ctx.needs_input_grad[6]:
-            row = rows_of(rowptr, col.numel())
-            gw = K.sddmm_dot(grad_out, values, row, col)
-        if ctx.needs_input_grad[7]:
-            csc = maybe_csc(csc, rowptr, col, values.size(0))
-            wperm = csc.perm if weight is not None else None
-            gv = K.spmm(csc.colptr, csc.row, weight, wperm, grad_out)
-        return None, None, None, None, None, None, gw, gv
+
+def _spmm_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _spmm_backward(ctx, grad_out):
+    rowptr, col, weight, weight_perm, values, *csc = ctx.saved_tensors
+    grad_out = grad_out.contiguous()
+    gw = gv = None
+    if ctx.needs_input_grad[2]:
+        row = rows_of(rowptr, col.numel())
+        gw = _lib.op('sddmm_dot')(grad_out, values, row, col)
+        if weight_perm is not None:  # w[e] = weight[weight_perm[e]]
+            gw = torch.zeros_like(weight).index_put_((weight_perm.long(), ),
+                                                     gw)
+    if ctx.needs_input_grad[4]:
+        t = maybe_csc(list(csc) + [None], rowptr, col, values.size(0))
+        wperm = None
+        if weight is not None:
+            wperm = t.perm if weight_perm is None else weight_perm[t.perm.long()]
+        gv = _lib.op('spmm')(t.colptr, t.row, weight, wperm, grad_out, None,
+                              None, None)
+    return None, None, gw, None, gv, None, None, None
+
+
+def _segment_sum_setup_context(ctx, inputs, output):
+    rowptr, perm, src = inputs
+    ctx.save_for_backward(rowptr, perm)
+    ctx.num_src = src.size(0)
+
+
+def _segment_sum_backward(ctx, grad_out):
+    rowptr, perm = ctx.saved_tensors
+    n = perm.numel() if perm is not None else ctx.num_src
+    row = rows_of(rowptr, n).long()  # N outside every row: gets 0
+    g = torch.cat([grad_out, grad_out.new_zeros((1, grad_out.size(1)))])[row]
+    if perm is not None:  # a permutation: plain writes, deterministic
+        g = g.new_zeros((ctx.num_src, g.size(1))).index_put_((perm.long(), ), g)
+    return None, None, g
+
+
+_lib.register('spmm', fake=_spmm_fake, backward=_spmm_backward,
+              setup_context=_spmm_setup_context, autocast=True)
+_lib.register('segment_sum',
+              fake=lambda rowptr, perm, src: src.new_empty(
+                  (rowptr.shape[0] - 1, src.shape[1])),
+              backward=_segment_sum_backward,
+              setup_context=_segment_sum_setup_context, autocast=True)
 
 
 def spmm(rowptr: Tensor, col: Tensor, weights: Optional[Tensor], values: Tensor,
@@ -70,26 +112,9 @@ def spmm(rowptr: Tensor, col: Tensor, weights: Optional[Tensor], values: Tensor,
         elif w.size(1) != v.size(1):
             raise ValueError(f'`weights` has {w.size(1)} heads but `values` '
                              f'has {v.size(1)}')
-    out = SpMM.apply(rowptr, col, *csc_parts(csc), w, v)
+    csc_args = tuple(csc)[:3] if csc is not None else (None, ) * 3
+    out = _lib.op('spmm')(rowptr, col, w, None, v, *csc_args)
     return out.squeeze(1) if squeeze else out
-
-
-class SegmentSum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, rowptr, perm, src):
-        ctx.save_for_backward(rowptr, perm)
-        ctx.num_src = src.size(0)
-        return _build.backend_for(src.device).segment_sum(rowptr, perm, src)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        rowptr, perm = ctx.saved_tensors
-        n = perm.numel() if perm is not None else ctx.num_src
-        row = rows_of(rowptr, n).long()  # N outside every row: gets 0
-        g = torch.cat([grad_out, grad_out.new_zeros((1, grad_out.size(1)))])[row]
-        if perm is not None:  # a permutation: plain writes, deterministic
-            g = g.new_zeros((ctx.num_src, g.size(1))).index_put_((perm.long(), ), g)
-        return None, None, g
 
 
 def segment_sum(rowptr: Tensor, src: Tensor,
@@ -99,6 +124,4 @@ def segment_sum(rowptr: Tensor, src: Tensor,
     ``src``; ``perm`` must be a permutation (each source read once)."""
     if perm is not None and perm.dtype != rowptr.dtype:
         perm = perm.to(rowptr.dtype)
-    if src.device.type == 'cpu' and src.dtype in (torch.float16, torch.bfloat16):
-        return SegmentSum.apply(rowptr, perm, src.float()).to(src.dtype)
-    return SegmentSum.apply(rowptr, perm, src)
+    return _lib.op('segment_sum')(rowptr, perm, src)

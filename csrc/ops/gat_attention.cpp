@@ -1,0 +1,242 @@
+// gat_attention: GAT's whole attention layer core in one op (and its
+// backward): optionally h = x @ weight.t(), the per-node score terms
+// a = <h, att> as one GEMM, the fused attention kernel (with the bias added
+// in its store). Device-generic: the GEMMs are ATen's, the attention kernels
+// are reached through the dispatcher (so a reference override is honoured).
+// Schema and autograd live in pyg_fastattn/ops/gat.py.
+#include <array>
+
+#include "../common.h"
+
+namespace pyg_fastattn {
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+
+std::tuple<at::Tensor, at::Tensor> call_attention(
+    const at::Tensor& rowptr, const at::Tensor& col, const OptTensor& a_src,
+    const OptTensor& a_dst, const OptTensor& a_edge, const OptTensor& mask,
+    const at::Tensor& values, double slope, const OptTensor& bias) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pyg_fastattn::attention", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const OptTensor&,
+              const OptTensor&, const OptTensor&, const OptTensor&,
+              const at::Tensor&, double, const OptTensor&, const OptTensor&,
+              const OptTensor&, const OptTensor&, const OptTensor&)>();
+  return op.call(rowptr, col, a_src, a_dst, a_edge, mask, values, slope, bias,
+                 c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_backward(
+    const at::Tensor& rowptr, const at::Tensor& col, const at::Tensor& colptr,
+    const at::Tensor& row, const at::Tensor& perm, const OptTensor& a_src,
+    const OptTensor& a_dst, const OptTensor& a_edge, const OptTensor& mask,
+    const at::Tensor& values, double slope, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& grad_out, bool grad_z_csr,
+    const OptTensor& bias) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pyg_fastattn::attention_backward", "")
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const at::Tensor&, const at::Tensor&, const OptTensor&,
+              const OptTensor&, const OptTensor&, const OptTensor&,
+              const at::Tensor&, double, const at::Tensor&, const at::Tensor&,
+              const at::Tensor&, bool, const OptTensor&)>();
+  return op.call(rowptr, col, colptr, row, perm, a_src, a_dst, a_edge, mask,
+                 values, slope, out, lse, grad_out, grad_z_csr, bias);
+}
+
+at::Tensor call_segment_sum(const at::Tensor& rowptr, const OptTensor& perm,
+                            const at::Tensor& src) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("pyg_fastattn::segment_sum", "")
+                       .typed<at::Tensor(const at::Tensor&, const OptTensor&,
+                                         const at::Tensor&)>();
+  return op.call(rowptr, perm, src);
+}
+
+// Block-diagonal [H * C, K * H] matrix of the score vectors att [K, H, C]:
+// h.view(N, H * C) @ B = (h * att[k]).sum(-1) for each k side by side.
+at::Tensor score_weight(const at::Tensor& att) {
+  const int64_t K = att.size(0), H = att.size(1), C = att.size(2);
+  at::Tensor B = at::zeros({H, C, K, H}, att.options());
+  B.diagonal(0, 0, 3).copy_(att.permute({2, 0, 1}));
+  return B.view({H * C, K * H});
+}
+
+// Gradient of att [K, H, C] from P = h.view(N, H * C).t() @ g [H * C, K * H].
+at::Tensor score_weight_grad(const at::Tensor& P, int64_t H, int64_t C,
+                             int64_t K) {
+  return P.view({H, C, K, H}).diagonal(0, 0, 3).permute({1, 2, 0}).contiguous();
+}
+
+at::Tensor flat(const at::Tensor& h) { return h.reshape({h.size(0), -1}); }
+
+at::Tensor none_like(const at::Tensor& ref) { return at::empty({0}, ref.options()); }
+
+OptTensor opt(const at::Tensor& t) {
+  return t.defined() && t.numel() > 0 ? OptTensor(t) : c10::nullopt;
+}
+
+void check_gat(const OptTensor& x, const OptTensor& weight,
+               const OptTensor& h_src, const at::Tensor& att_src,
+               const OptTensor& h_dst, const at::Tensor& att_dst,
+               bool dst_is_src) {
+  check_float(att_src, "att_src", 3);
+  check_float(att_dst, "att_dst", 3);
+  PFA_CHECK(att_src.size(0) == 1 && att_dst.sizes() == att_src.sizes(),
+            "`att_src` and `att_dst` must have shape [1, H, C], got ",
+            att_src.sizes(), " and ", att_dst.sizes());
+  const int64_t HC = att_src.size(1) * att_src.size(2);
+  if (weight.has_value()) {
+    PFA_CHECK(x.has_value() && !h_src.has_value() && dst_is_src,
+              "gat_attention: `weight` computes h from `x`: pass `x`, no "
+              "`h_src`, and dst_is_src=True");
+    check_float(*x, "x", 2);
+    check_float(*weight, "weight", 2);
+    check_same_dtype(*x, *weight, "x", "weight");
+    PFA_CHECK(weight->size(0) == HC && weight->size(1) == x->size(1),
+              "`weight` must have shape [H * C, F] = [", HC, ", ", x->size(1),
+              "], got ", weight->sizes());
+  } else {
+    PFA_CHECK(h_src.has_value(), "gat_attention needs `h_src` or `x` and `weight`");
+    check_float(*h_src, "h_src", 3);
+    PFA_CHECK(h_src->size(1) * h_src->size(2) == HC,
+              "`h_src` must have H * C = ", HC, " features per node, got ",
+              h_src->sizes());
+  }
+  if (h_dst.has_value()) {
+    PFA_CHECK(!dst_is_src, "`h_dst` must be None with dst_is_src=True");
+    check_float(*h_dst, "h_dst", 3);
+    PFA_CHECK(h_dst->size(1) * h_dst->size(2) == HC,
+              "`h_dst` must have H * C = ", HC, " features per node, got ",
+              h_dst->sizes());
+  }
+}
+
+// Returns (out [N, H, C], lse [N, H], h [Ns, H, C] when computed from x
+// (else empty), a_src [Ns, H], a_dst [N, H] (empty without a target term)).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+gat_attention(const at::Tensor& rowptr, const at::Tensor& col,
+              const at::Tensor& /*colptr*/, const at::Tensor& /*csc_row*/,
+              const at::Tensor& /*csc_perm*/, const at::Tensor& /*csc_inv*/,
+              const OptTensor& x, const OptTensor& weight,
+              const OptTensor& h_src, const at::Tensor& att_src,
+              const OptTensor& h_dst, const at::Tensor& att_dst,
+              const OptTensor& a_edge, const OptTensor& mask,
+              const OptTensor& bias, double negative_slope, bool dst_is_src) {
+  check_gat(x, weight, h_src, att_src, h_dst, att_dst, dst_is_src);
+  const int64_t H = att_src.size(1), C = att_src.size(2), HC = H * C;
+  const at::Tensor h = weight.has_value()
+                           ? x->mm(weight->t()).view({-1, H, C})
+                           : h_src->reshape({-1, H, C}).contiguous();
+  const int64_t Ns = h.size(0);
+  at::Tensor a_src, a_dst;
+  if (dst_is_src) {  // one GEMM for both terms
+    const at::Tensor a = h.view({Ns, HC}).mm(score_weight(at::cat({att_src, att_dst})));
+    a_src = a.slice(1, 0, H).contiguous();
+    a_dst = a.slice(1, H, 2 * H).contiguous();
+  } else {
+    a_src = h.view({Ns, HC}).mm(score_weight(att_src));
+    if (h_dst.has_value()) a_dst = flat(*h_dst).mm(score_weight(att_dst));
+  }
+  auto [out, lse] = call_attention(rowptr, col, a_src, opt(a_dst), a_edge,
+                                   mask, h, negative_slope, bias);
+  return {out, lse, weight.has_value() ? h : none_like(h), a_src,
+          a_dst.defined() ? a_dst : none_like(h)};
+}
+
+// Gradients of (x, weight, h_src, att_src, h_dst, att_dst, a_edge, bias);
+// an empty tensor where output_mask is false or the input was None.
+//
+// With `weight`, no gradient for x and F <= 2 * H * C, the score terms'
+// gradient goes through x: M = x.t() @ g_a [F, 2H] gives grad_weight =
+// g_h.t() @ x + B @ M.t() and grad_att from weight @ M; one GEMM reading x
+// replaces h.t() @ g_a and the update g_h += g_a @ B.t().
+std::vector<at::Tensor> gat_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& rowptr, const at::Tensor& col,
+    const at::Tensor& colptr, const at::Tensor& csc_row,
+    const at::Tensor& csc_perm, const at::Tensor& csc_inv, const OptTensor& x,
+    const OptTensor& weight, const at::Tensor& h, const at::Tensor& att_src,
+    const OptTensor& h_dst, const at::Tensor& att_dst, const at::Tensor& a_src,
+    const at::Tensor& a_dst_, const OptTensor& a_edge, const OptTensor& mask,
+    const OptTensor& bias, const at::Tensor& out, const at::Tensor& lse,
+    double negative_slope, bool dst_is_src, std::array<bool, 8> output_mask) {
+  const int64_t H = att_src.size(1), C = att_src.size(2), HC = H * C;
+  const int64_t Ns = h.size(0);
+  const bool need_x = output_mask[0], need_w = output_mask[1],
+             need_edge = output_mask[6] && a_edge.has_value();
+  const OptTensor a_dst = opt(a_dst_);
+  auto [g_h, g_z, g_src] = call_attention_backward(
+      rowptr, col, colptr, csc_row, csc_perm, a_src, a_dst, a_edge, mask, h,
+      negative_slope, out, lse, grad_out.contiguous(), need_edge, bias);
+  at::Tensor g_dst;  // CSR row sums; csc_inv maps CSR positions to CSC order
+  if (a_dst.has_value())
+    g_dst = call_segment_sum(rowptr, need_edge ? OptTensor() : OptTensor(csc_inv), g_z);
+  at::Tensor g_h2 = g_h.view({Ns, HC});
+  at::Tensor g_x, g_w, g_h_dst, g_att_src, g_att_dst;
+  if (dst_is_src) {
+    const at::Tensor B = score_weight(at::cat({att_src, att_dst}));
+    const at::Tensor g_a = at::cat({g_src, g_dst}, 1);
+    at::Tensor P;
+    // Through x when x is no wider than about h: a wide x (Cora's 1433
+    // features) costs more to read than g_h's update.
+    if (weight.has_value() && !need_x && x->size(1) <= 2 * HC) {
+      const at::Tensor M = x->t().mm(g_a);
+      if (need_w) g_w = g_h2.t().mm(*x).addmm_(B, M.t());
+      P = weight->mm(M);
+    } else {
+      g_h2.addmm_(g_a, B.t());
+      P = flat(h).t().mm(g_a);
+      if (weight.has_value()) {
+        if (need_x) g_x = g_h2.mm(*weight);
+        if (need_w) g_w = g_h2.t().mm(*x);
+      }
+    }
+    const at::Tensor g_att = score_weight_grad(P, H, C, 2);
+    g_att_src = g_att.slice(0, 0, 1);
+    g_att_dst = g_att.slice(0, 1, 2);
+  } else {
+    g_h2.addmm_(g_src, score_weight(att_src).t());
+    g_att_src = score_weight_grad(flat(h).t().mm(g_src), H, C, 1);
+    if (g_dst.defined()) {
+      g_h_dst = g_dst.mm(score_weight(att_dst).t()).view(h_dst->sizes());
+      g_att_dst = score_weight_grad(flat(*h_dst).t().mm(g_dst), H, C, 1);
+    }
+  }
+  at::Tensor g_bias;
+  if (output_mask[7] && bias.has_value()) {  // a column sum as one mat-vec
+    const at::Tensor g2 = grad_out.reshape({-1, HC});
+    g_bias = at::mv(g2.t(), at::ones({g2.size(0)}, g2.options())).view(bias->sizes());
+  }
+  const at::Tensor e = none_like(h);
+  auto or_empty = [&](const at::Tensor& t, bool want) {
+    return want && t.defined() ? t : e;
+  };
+  return {or_empty(g_x, need_x),
+          or_empty(g_w, need_w),
+          or_empty(weight.has_value() ? at::Tensor() : g_h, output_mask[2]),
+          or_empty(g_att_src, output_mask[3]),
+          or_empty(g_h_dst, output_mask[4]),
+          or_empty(g_att_dst, output_mask[5]),
+          or_empty(need_edge ? g_z : at::Tensor(), output_mask[6]),
+          or_empty(g_bias, output_mask[7])};
+}
+
+}  // namespace
+}  // namespace pyg_fastattn
+
+TORCH_LIBRARY_IMPL(pyg_fastattn, CPU, m) {
+  m.impl("gat_attention", &pyg_fastattn::gat_attention);
+  m.impl("gat_attention_backward", &pyg_fastattn::gat_attention_backward);
+}
+
+#ifdef PFA_WITH_CUDA
+TORCH_LIBRARY_IMPL(pyg_fastattn, CUDA, m) {
+  m.impl("gat_attention", &pyg_fastattn::gat_attention);
+  m.impl("gat_attention_backward", &pyg_fastattn::gat_attention_backward);
+}
+#endif

@@ -1,0 +1,120 @@
+"""The ``pyg_fastattn`` operator library: one place that defines each op and
+registers it with PyTorch the documented way.
+
+Each op module (``attention.py``, ``gat.py``, ...) calls :func:`define` with
+its schema and :func:`register` with its fake (meta) implementation, its
+autograd formula and whether it takes an autocast rule. The kernels come from
+the C++/CUDA extension (``TORCH_LIBRARY_IMPL`` in ``csrc/``); where it is
+unavailable for a device, :func:`install_backends` registers the pure-PyTorch
+reference (:mod:`pyg_fastattn.reference`, same names and arguments) as that
+device's kernel of the same op. :func:`use_reference` swaps the reference in
+for a while (tests compare both).
+
+Autocast: under ``torch.autocast`` every floating-point tensor argument is
+cast to the autocast dtype (float16/bfloat16); kernels read that dtype and
+accumulate in float32.
+"""
+import contextlib
+import warnings
+from typing import Callable, Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+NAMESPACE = 'pyg_fastattn'
+_lib = torch.library.Library(NAMESPACE, 'DEF')
+_names: List[str] = []
+
+
+def define(schema: str) -> None:
+    """Define ``pyg_fastattn::<schema>`` (once per process)."""
+    _lib.define(schema)
+    _names.append(schema.split('(', 1)[0].strip())
+
+
+def op(name: str):
+    return getattr(getattr(torch.ops, NAMESPACE), name).default
+
+
+def _cast_args(args, dtype, device_type: str):
+    def cast(a):
+        if (isinstance(a, Tensor) and a.is_floating_point()
+                and a.device.type == device_type and a.dtype != torch.float64):
+            return a.to(dtype)
+        return a
+
+    return [cast(a) for a in args]
+
+
+def _register_autocast(name: str) -> None:
+    """Cast floating-point arguments to the current autocast dtype, then run
+    the op with autocast off (as ``torch.library.register_autocast`` does,
+    but with the dtype read at call time)."""
+    overload = op(name)
+    for device_type in ('cpu', 'cuda'):
+        key_name = 'Autocast' + torch._C._dispatch_key_for_device(device_type)
+        key = getattr(torch._C.DispatchKey, key_name)
+        keyset = torch._C.DispatchKeySet(key)
+
+        def impl(*args, _dev=device_type, _keyset=keyset):
+            dtype = torch.get_autocast_dtype(_dev)
+            with torch._C._ExcludeDispatchKeyGuard(_keyset):
+                return overload(*_cast_args(args, dtype, _dev))
+
+        overload.py_impl(key)(impl)  # for the Python dispatcher (tracing)
+        _lib.impl(name, lambda _ks, *args, _f=impl: _f(*args), key_name,
+                  with_keyset=True)
+
+
+def register(name: str, *, fake: Callable, backward: Optional[Callable] = None,
+             setup_context: Optional[Callable] = None,
+             autocast: bool = False) -> None:
+    """Fake impl, autograd formula and autocast rule of ``name``."""
+    qualname = f'{NAMESPACE}::{name}'
+    torch.library.register_fake(qualname, fake, lib=_lib)
+    if backward is not None:
+        torch.library.register_autograd(qualname, backward,
+                                        setup_context=setup_context, lib=_lib)
+    if autocast:
+        _register_autocast(name)
+
+
+def _reference_kernels() -> Dict[str, Callable]:
+    from .. import reference
+    return {n: getattr(reference, n) for n in _names}
+
+
+_installed = False
+
+
+def install_backends() -> None:
+    """Build/load the native kernels and give every device without them the
+    reference kernels. Runs once, at import of :mod:`pyg_fastattn.ops`."""
+    global _installed
+    if _installed:
+        return
+    from .. import _build
+    st = _build.load()
+    missing = [] if st.native else ['CPU']
+    if not st.cuda:
+        missing.append('CUDA')
+    for key in missing:
+        for name, fn in _reference_kernels().items():
+            _lib.impl(name, fn, key)
+    _installed = True
+
+
+@contextlib.contextmanager
+def use_reference():
+    """Run every op on the reference kernels (CPU and CUDA) inside the
+    block; the native kernels come back after it."""
+    lib = torch.library.Library(NAMESPACE, 'IMPL')
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='.*[Oo]verrid')
+        for name, fn in _reference_kernels().items():
+            for key in ('CPU', 'CUDA'):
+                lib.impl(name, fn, key)
+    try:
+        yield
+    finally:
+        lib._destroy()
