@@ -13,8 +13,7 @@
 #   info   nvidia-smi, versions of python/torch/PyG/CUDA/nvcc/ninja
 #   build  python3 -m pyg_fastattn.build (PYG_FASTATTN_VERBOSE=1), and a check
 #          that the CUDA kernels are native
-#   tests  python3 -m pytest tests -q -x -m cuda, then python3 -m pytest tests -q
-#          (cudatests: only the first)
+#   tests  python3 -m pytest tests -q (the whole suite; cudatests: -m cuda -x only)
 #   ops    benchmarks/bench_ops.py --device $DEV
 #   gat    benchmarks/bench_gat.py --device $DEV --cuda-graph
 #   profile  benchmarks/profile_gat.py --device $DEV (not in the default set)
@@ -272,10 +271,15 @@ EOF
 fi
 
 if [ $want_tests -eq 1 ]; then
-    run_step tests_cuda "${T_TESTS_CUDA:-150}" \
-        'python3 -m pytest tests -q -x -m cuda -rfEs --durations=10 -p no:cacheprovider'
-    [ $cuda_only -eq 0 ] && run_step tests "${T_TESTS:-240}" \
-        'python3 -m pytest tests -q -rfE --durations=15 -p no:cacheprovider'
+    # The whole suite (CPU tests too: this torch is another version), or
+    # with cudatests only the CUDA ones.
+    if [ $cuda_only -eq 1 ]; then
+        run_step tests_cuda "${T_TESTS_CUDA:-150}" \
+            'python3 -m pytest tests -q -x -m cuda -rfEs --durations=10 -p no:cacheprovider'
+    else
+        run_step tests "${T_TESTS:-360}" \
+            'python3 -m pytest tests -q -rfEs --durations=15 -p no:cacheprovider'
+    fi
 fi
 
 if [ $want_ops -eq 1 ]; then

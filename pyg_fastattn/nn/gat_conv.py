@@ -133,7 +133,7 @@ class FastGATConv(GATConv):
         # Under autocast the ops cast every float input themselves.
         autocast = torch.is_autocast_enabled(x_src.device.type)
         dt = x_src.dtype if lin_x is None else self.lin.weight.dtype
-        cast = lambda t: None if t is None or autocast else t.to(dt)  # noqa: E731
+        cast = lambda t: t if t is None or autocast else t.to(dt)  # noqa: E731
         a_edge, mask = cast(a_edge), cast(mask)
 
         bias = self.bias

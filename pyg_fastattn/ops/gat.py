@@ -85,7 +85,9 @@ def _backward(ctx, grad_out, _lse, _h, _a_src, _a_dst):
     grads = _lib.op('gat_attention_backward')(
         grad_out, *ctx.saved_tensors, ctx.negative_slope, ctx.dst_is_src,
         output_mask)
-    g = [t if want else None for t, want in zip(grads, output_mask)]
+    # empty: not needed, or the input takes no part (att_dst without h_dst)
+    g = [t if want and t.numel() > 0 else None
+         for t, want in zip(grads, output_mask)]
     return (None, ) * 6 + tuple(g[:7]) + (None, g[7], None, None)
 
 

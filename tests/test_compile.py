@@ -1,0 +1,231 @@
+"""The ops as PyTorch custom ops: torch.library.opcheck on every op, gradcheck
+of the fused GAT op, compiled (inductor) training against eager, and
+autocast against float32."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pyg_fastattn import FastGATConv, ops, prepare
+from pyg_fastattn.ops import _lib
+from pyg_fastattn.ops.csr import rows_of
+
+from conftest import DEVICES, requires_cuda
+from graphs import make_graph
+
+CUDA_ONLY = [pytest.param('cuda', marks=[pytest.mark.cuda, requires_cuda])]
+
+
+def _inputs(device, idx, dtype=torch.float32, H=2, C=3, grad=True):
+    rowptr, col, Ns = make_graph('mixed', idx, device)
+    N, E = rowptr.numel() - 1, col.numel()
+    d = dict(dtype=dtype, device=device, requires_grad=grad)
+    csc = ops.csr_to_csc(rowptr, col, Ns)
+    return dict(rowptr=rowptr, col=col, csc=csc, Ns=Ns, N=N, E=E, H=H, C=C,
+                s=torch.randn(E, H, **d), v=torch.randn(Ns, H, C, **d),
+                a_src=torch.randn(Ns, H, **d), a_dst=torch.randn(N, H, **d),
+                mask=(torch.rand(E, H, device=device) > 0.3).to(dtype) / 0.7,
+                bias=torch.randn(H * C, **d), d=d)
+
+
+def _op_cases(device, idx):
+    """(op name, args) for every op, with the graph's real index tensors."""
+    t = _inputs(device, idx)
+    rowptr, col, csc, d = t['rowptr'], t['col'], t['csc'], t['d']
+    Ns, N, E, H, C = t['Ns'], t['N'], t['E'], t['H'], t['C']
+    s, v, bias = t['s'], t['v'], t['bias']
+    x = torch.randn(N, 5, **d)  # dst_is_src: sources are the N targets
+    csc_n = ops.csr_to_csc(rowptr, col, N)
+    w = torch.randn(H * C, 5, **d)
+    att = [torch.randn(1, H, C, **d) for _ in range(2)]
+    out, lse = ops.attention(rowptr, col, v.detach(), t['a_src'].detach(),
+                             None, None, None, 0.2, return_lse=True)
+    row = rows_of(rowptr, E)
+    nd = lambda a: a.detach()  # noqa: E731
+    return [
+        ('edge_softmax', (rowptr, s)),
+        ('edge_softmax_backward', (rowptr, nd(s).softmax(0), torch.randn_like(nd(s)))),
+        ('sddmm_dot', (torch.randn(N, H, C, **d), v, row, col)),
+        ('spmm', (rowptr, col, s, None, v, None, None, None)),
+        ('spmm', (rowptr, col, s, None, v, *tuple(csc)[:3])),
+        ('segment_sum', (rowptr, csc.inv, s)),
+        ('attention', (rowptr, col, t['a_src'], t['a_dst'], s, t['mask'], v,
+                       0.2, bias, *csc)),
+        ('attention', (rowptr, col, None, None, s, None, v, 1.0, None, None,
+                       None, None, None)),
+        ('attention_backward', (rowptr, col, csc.colptr, csc.row, csc.perm,
+                                nd(t['a_src']), None, None, None, nd(v), 0.2,
+                                out, lse, torch.randn_like(out), False, None)),
+        ('gat_attention', (rowptr, col, *csc_n, x, w, None, att[0], None,
+                           att[1], s, t['mask'], bias, 0.2, True)),
+        ('gat_attention', (rowptr, col, *csc, None, None, v, att[0],
+                           torch.randn(N, H, C, **d), att[1], None, None,
+                           None, 0.2, False)),
+    ]
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('idx', [torch.int32, torch.int64])
+def test_opcheck(backend, device, idx):
+    """Schema, autograd registration, fake tensors and AOT dispatch of every
+    op (``gat_attention_backward`` through ``gat_attention``'s backward)."""
+    seen = set()
+    for name, args in _op_cases(device, idx):
+        torch.library.opcheck(_lib.op(name), args)
+        seen.add(name)
+    assert seen | {'gat_attention_backward'} == set(_lib._names)
+
+
+GAT_MODES = ['lin', 'shared', 'bipartite', 'no_dst']
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('mode', GAT_MODES)
+def test_gat_attention_gradcheck(backend, device, mode):
+    """gradcheck of the fused GAT op in float64, in each of its forms."""
+    t = _inputs(device, torch.int64, torch.float64)
+    rowptr, col, csc, d = t['rowptr'], t['col'], t['csc'], t['d']
+    Ns, N, H, C = t['Ns'], t['N'], t['H'], t['C']
+    att_src, att_dst = torch.randn(1, H, C, **d), torch.randn(1, H, C, **d)
+    v = t['v']
+    if mode in ('lin', 'shared'):  # the sources are the N targets
+        Ns, csc = N, ops.csr_to_csc(rowptr, col, N)
+        v = torch.randn(N, H, C, **d)
+    # keep z away from leaky_relu's kink
+    a_edge = (torch.randn(t['E'], H, dtype=torch.float64, device=device)
+              + 0.05).sign().mul(3).requires_grad_()
+    mask, bias = t['mask'], t['bias']
+
+    def gat(h_src, att_src, h_dst, att_dst, a_edge, bias, x=None, w=None):
+        return ops.gat_attention(rowptr, col, csc, h_src, att_src, h_dst,
+                                 att_dst, a_edge, mask, 0.2,
+                                 dst_is_src=mode in ('lin', 'shared'),
+                                 bias=bias, x=x, weight=w)
+
+    gc = lambda f, *a: torch.autograd.gradcheck(f, a, atol=1e-7)  # noqa: E731
+    if mode == 'lin':
+        x, w = torch.randn(Ns, 4, **d), torch.randn(H * C, 4, **d)
+        assert gc(lambda x, w, a, b, e, c: gat(None, a, None, b, e, c, x, w),
+                  x, w, att_src, att_dst, a_edge, bias)
+        # x needing no gradient takes the through-x path for the weight
+        assert gc(lambda w, a, b: gat(None, a, None, b, a_edge, bias,
+                                      x.detach(), w), w, att_src, att_dst)
+    elif mode == 'shared':
+        assert gc(lambda h, a, b, e, c: gat(h, a, None, b, e, c),
+                  v, att_src, att_dst, a_edge, bias)
+    elif mode == 'bipartite':
+        h_dst = torch.randn(N, H, C, **d)
+        assert gc(lambda h, a, hd, b, e: gat(h, a, hd, b, e, None),
+                  v, att_src, h_dst, att_dst, a_edge)
+    else:
+        assert gc(lambda h, a, c: gat(h, a, None, att_dst, None, c), v,
+                  att_src, bias)
+
+
+# torch.compile (inductor) against eager #####################################
+
+
+class Net(torch.nn.Module):
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.conv1 = FastGATConv(12, 8, heads=4, edge_dim=3, dropout=dropout)
+        self.conv2 = FastGATConv(32, 5, heads=1, concat=False,
+                                 dropout=dropout)
+
+    def forward(self, x, edge_index, edge_attr):
+        x = F.elu(self.conv1(x, edge_index, edge_attr))
+        return self.conv2(x, edge_index)
+
+
+def _graph(device, N=60, E=400):
+    g = torch.Generator().manual_seed(1)
+    ei = torch.randint(0, N - 2, (2, E), generator=g)
+    ei[:, :4] = torch.tensor([[0, 1, 2, 2], [0, 1, 3, 3]])  # loops, dups
+    return (torch.randn(N, 12, generator=g).to(device), ei.to(device),
+            torch.randn(E, 3, generator=g).to(device))
+
+
+def _step_grads(model, x, ei, ea, y):
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x, ei, ea), y)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('prepared', [False, True])
+def test_inductor_training_matches_eager(backend, device, prepared):
+    """One step's loss and gradients under inductor equal eager's to 1e-4 of
+    their largest magnitude, then 5 SGD steps track eager."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x, ei, ea = _graph(device)
+    y = torch.randint(0, 5, (x.size(0), ), device=device)
+    graph = prepare(ei, num_nodes=x.size(0)) if prepared else ei
+    eager = Net().to(device)
+    compiled_model = Net().to(device)
+    compiled_model.load_state_dict(eager.state_dict())
+    compiled = torch.compile(compiled_model, fullgraph=True)
+    loss_e, g_e = _step_grads(eager, x, graph, ea, y)
+    loss_c, g_c = _step_grads(compiled, x, graph, ea, y)
+    torch.testing.assert_close(loss_c, loss_e, atol=1e-5, rtol=1e-5)
+    for (name, _), a, b in zip(eager.named_parameters(), g_c, g_e):
+        tol = 1e-4 * max(b.abs().max().item(), 1e-12)
+        assert (a - b).abs().max().item() <= tol, name
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5)
+            for m in (eager, compiled_model)]
+    for _ in range(5):
+        losses = []
+        for m, opt in zip((eager, compiled), opts):
+            loss, _ = _step_grads(m, x, graph, ea, y)
+            opt.step()
+            losses.append(loss)
+        torch.testing.assert_close(losses[1], losses[0], atol=1e-4, rtol=1e-4)
+
+
+# autocast ###################################################################
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+AMP = [('cpu', torch.bfloat16)] + [
+    pytest.param('cuda', dt, marks=[pytest.mark.cuda, requires_cuda])
+    for dt in (torch.bfloat16, torch.float16)]
+
+
+@pytest.mark.parametrize('device,dtype', AMP)
+def test_autocast_matches_float32(backend, device, dtype):
+    """Under autocast the layers run in half precision (float32
+    accumulation) and stay within half-precision error of float32, forward
+    and backward; the weights' gradients come back in float32."""
+    torch.manual_seed(0)
+    x, ei, ea = _graph(device)
+    y = torch.randint(0, 5, (x.size(0), ), device=device)
+    model = Net().to(device)
+    loss32, g32 = _step_grads(model, x, ei, ea, y)
+    with torch.autocast(device, dtype=dtype):
+        out = model.conv1(x, ei, ea)
+        assert out.dtype == dtype
+    model.zero_grad(set_to_none=True)
+    with torch.autocast(device, dtype=dtype):
+        loss = F.cross_entropy(model(x, ei, ea), y)
+    loss.backward()
+    assert abs(loss.item() - loss32.item()) < 2e-2 * abs(loss32.item())
+    for (name, p), g in zip(model.named_parameters(), g32):
+        assert p.grad.dtype == torch.float32, name
+        assert _rel(p.grad, g) < 8e-2, (name, _rel(p.grad, g))
+
+
+@pytest.mark.parametrize('device', CUDA_ONLY)
+def test_autocast_kernels_read_half(device):
+    """On CUDA the fused op really runs in half precision (its output is
+    half) and matches a float64 reference of the cast inputs."""
+    t = _inputs(device, torch.int32, grad=False)
+    v = t['v']
+    with torch.autocast('cuda', dtype=torch.float16):
+        out = ops.softmax_aggregate(t['rowptr'], t['col'], t['s'], v)
+    assert out.dtype == torch.float16
+    ref = ops.softmax_aggregate(t['rowptr'], t['col'], t['s'].half().double(),
+                                v.half().double())
+    assert _rel(out, ref) < 2e-3
