@@ -197,8 +197,9 @@ std::vector<at::Tensor> gat_attention_backward(
       }
     }
     const at::Tensor g_att = score_weight_grad(P, H, C, 2);
-    g_att_src = g_att.slice(0, 0, 1);
-    g_att_dst = g_att.slice(0, 1, 2);
+    // two outputs: no shared storage (compilers reuse output buffers)
+    g_att_src = g_att.slice(0, 0, 1).clone();
+    g_att_dst = g_att.slice(0, 1, 2).clone();
   } else {
     g_h2.addmm_(g_src, score_weight(att_src).t());
     g_att_src = score_weight_grad(flat(h).t().mm(g_src), H, C, 1);

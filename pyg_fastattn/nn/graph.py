@@ -216,10 +216,20 @@ def _sparse_edges(adj, add_self_loops: bool):
     return col, row, num_src, num_dst, layout
 
 
-def _build(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
-           add_self_loops: bool, layout: str,
-           index_dtype: torch.dtype) -> PreparedGraph:
-    """The CSR of the augmented edge list; no host sync."""
+def _index_dtype(num_aug, num_src, num_dst) -> torch.dtype:
+    big = max(num_aug, num_src, num_dst) >= 2**31 - 1
+    return torch.int64 if big else torch.int32
+
+
+# One opaque op for torch.compile: traced inline, inductor's lowering of the
+# sorts and searches gave a wrong graph on CUDA.
+@torch.library.custom_op('pyg_fastattn::build_csr', mutates_args=())
+def _build_csr(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
+               add_self_loops: bool
+               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                          Tensor, Tensor, Tensor]:
+    """(rowptr, col, csr_perm, removed, fill_index (empty without loops),
+    colptr, csc_row, csc_perm, csc_inv) of the augmented edge list."""
     device = src.device
     src, dst = src.long(), dst.long()
     E = src.numel()
@@ -233,17 +243,40 @@ def _build(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
         # Input edges feeding the loop fill value: kept, and dst < L.
         fill_index = dst.masked_fill(is_loop | (dst >= L), L)
     else:
-        src_a, dst_a, key, fill_index = src, dst, dst, None
+        src_a, key = src, dst
+        fill_index = src.new_empty((0, ))
         removed = torch.zeros(E, dtype=torch.bool, device=device)
-    Ep = E + L
-    idx = torch.int32 if max(Ep, num_src, num_dst) < 2**31 - 1 else torch.int64
+    idx = _index_dtype(E + L, num_src, num_dst)
     perm = torch.argsort(key, stable=True)
     bounds = torch.arange(num_dst + 1, device=device)
     rowptr = torch.searchsorted(key[perm].contiguous(), bounds).to(idx)
     col = src_a[perm].to(idx)
     csc = csr_to_csc(rowptr, col, num_src, validate=False)
-    return PreparedGraph(rowptr, col, csc, perm, removed, fill_index, num_src,
-                         num_dst, E, L, add_self_loops, layout, index_dtype)
+    return (rowptr, col, perm, removed, fill_index, *csc)
+
+
+@_build_csr.register_fake
+def _(src, dst, num_src, num_dst, add_self_loops):
+    E = src.shape[0]
+    L = min(num_src, num_dst) if add_self_loops else 0
+    idx = _index_dtype(E + L, num_src, num_dst)
+    new = lambda n, dt: src.new_empty((n, ), dtype=dt)  # noqa: E731
+    return (new(num_dst + 1, idx), new(E + L, idx), new(E + L, torch.int64),
+            new(E + L, torch.bool), new(E if L > 0 else 0, torch.int64),
+            new(num_src + 1, idx), new(E + L, idx), new(E + L, idx),
+            new(E + L, idx))
+
+
+def _build(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
+           add_self_loops: bool, layout: str,
+           index_dtype: torch.dtype) -> PreparedGraph:
+    """The CSR of the augmented edge list; no host sync."""
+    (rowptr, col, perm, removed, fill_index, *csc) = _build_csr(
+        src, dst, num_src, num_dst, add_self_loops)
+    L = min(num_src, num_dst) if add_self_loops else 0
+    return PreparedGraph(rowptr, col, CSC(*csc), perm, removed,
+                         fill_index if L > 0 else None, num_src, num_dst,
+                         src.numel(), L, add_self_loops, layout, index_dtype)
 
 
 def _prepare(edge_index, num_src: Optional[int], num_dst: Optional[int],
