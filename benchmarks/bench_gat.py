@@ -4,41 +4,61 @@
     python benchmarks/bench_gat.py                       # CUDA if visible
     python benchmarks/bench_gat.py --device cuda --cuda-graph
     python benchmarks/bench_gat.py --device cpu --quick
+    python benchmarks/bench_gat.py --providers pyg,fast,floor   # no compile
 
-Providers
-  ``pyg``         torch_geometric.nn.GATConv
-  ``fast``        pyg_fastattn.FastGATConv, loaded with the same state_dict
-                  and called the drop-in way (``conv(x, edge_index)``)
-  ``fast+graph``  (``--cuda-graph``, epochs only) the fast training step
-                  captured once in a CUDA graph and replayed (with the fused
-                  Adam, as examples/train_cora.py --cuda-graph does)
+Providers (``--providers``, default all; table order)
+  ``pyg``          torch_geometric.nn.GATConv, eager
+  ``pyg_compile``  ``torch.compile`` (default inductor mode) of the same PyG
+                   model (the GAT model for epochs, the layer for layers),
+                   compiled afresh per workload (``torch._dynamo.reset()``);
+                   compile time is in ``first_ms`` only. Runs after every
+                   other provider of every workload (second pass), so that a
+                   time budget spent on compiling never costs the eager rows.
+                   A compile failure is recorded in its row.
+  ``fast``         pyg_fastattn.FastGATConv, loaded with the same state_dict
+                   and called the drop-in way (``conv(x, edge_index)``)
+  ``fast_bf16``    ``fast`` under ``torch.autocast(device, torch.bfloat16)``
+                   (forward and loss; backward outside, as AMP does)
+  ``fast+graph``   (``--cuda-graph``, epochs only) the fast training step
+                   captured once in a CUDA graph and replayed (with the fused
+                   Adam, as examples/train_cora.py --cuda-graph does)
+  ``floor``        the same model with every attention layer replaced by its
+                   own ``lin`` and bias (``x @ lin.weight.t() + bias``, mean
+                   over heads when ``concat=False``): what no attention layer
+                   can go below
 
 Workloads
   ``epoch``  one full training epoch of PyG's example 2-layer GAT (8 heads x
              8 hidden, ELU, dropout 0.6, Adam lr 0.005 wd 5e-4): zero_grad,
              forward, cross-entropy on the training nodes, backward, step.
              Cora and CiteSeer (real Planetoid data; skipped with a note when
-             absent) and a PubMed-sized synthetic graph (19,717 nodes,
-             88,648 edges, 500 features).
+             absent) and a PubMed-sized synthetic graph
+             (``pyg_fastattn.datasets.synthetic_pubmed``).
   ``fwd``    one layer, eval mode, under ``torch.no_grad()``
   ``fwd+bwd`` one layer, train mode, forward then ``torch.autograd.grad`` of
              all parameters with a random upstream gradient.
              Random graphs (uniform random edges, built on the device).
 
-Measurements: median per-call time after warm-up (CUDA events on GPU),
-peak memory one call adds (``max_memory_allocated`` delta on GPU; peak-RSS
-growth on CPU, see ``benchmarks/_util.py``), ``resident_mib`` = memory that
-stays allocated after warm-up (caches, optimizer state) and ``first_ms`` =
-the first call (includes one-off graph preparation). ``rel_err`` compares
-the fast layer with PyG's on identical weights: eval-mode outputs (epochs,
-fwd) or parameter gradients (fwd+bwd). A PyG
-out-of-memory is recorded as ``OOM`` and the run goes on.
+Measurements: median per-call time after warm-up (CUDA events on GPU);
+``host_ms`` = median time until the Python call returns (device synchronised
+between calls, never inside the timed region; on CPU the same samples as the
+median), peak memory one call adds (``max_memory_allocated`` delta on GPU;
+peak-RSS growth on CPU, see ``benchmarks/_memory.py``), ``resident_mib`` =
+memory that stays allocated after warm-up (caches, optimizer state) and
+``first_ms`` = the first call (includes one-off graph preparation, and the
+compilation for ``pyg_compile``). ``rel_err`` compares a provider with
+eager PyG on identical weights: eval-mode outputs (epochs, fwd) or parameter
+gradients (fwd+bwd). Ratios: ``speedup`` / ``mem_ratio`` against ``pyg``,
+``speedup_compile`` / ``mem_ratio_compile`` against ``pyg_compile``,
+``floor_x`` = provider time / ``floor`` time. An out-of-memory is recorded
+as ``OOM`` and the run goes on.
 
 Outputs in ``--out`` (default ``bench_out/``): ``gat_<device>.json``,
 ``.csv``, ``.md`` and ``.png`` (speedup and memory ratio per workload);
 rewritten after every workload.
 """
 import argparse
+import contextlib
 import copy
 import importlib
 import os
@@ -47,14 +67,23 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _util as U  # noqa: E402
+from _env import (  # noqa: E402
+    REPO, env_info, env_lines, loadavg, pick_device, setup_threads)
+from _graphs import generator, randn  # noqa: E402
+from _memory import (  # noqa: E402
+    free_memory, guarded, peak_memory_mib, resident_mib)
+from _report import fmt, fmt_count, md_table, write_outputs  # noqa: E402
+from _timing import Budget, add_timing_args, sync, time_fn  # noqa: E402
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch_geometric.nn import GATConv  # noqa: E402
+
+PROVIDERS = ('pyg', 'pyg_compile', 'fast', 'fast_bf16', 'fast+graph', 'floor')
+COMPILED = ('pyg_compile', )  # run in a second pass over the workloads
 
 _FAST_ERR = None
 try:
@@ -89,8 +118,8 @@ def _data_dirs() -> List[Path]:
     dirs = []
     if os.environ.get('PYG_FASTATTN_DATA'):
         dirs.append(Path(os.environ['PYG_FASTATTN_DATA']))
-    dirs += [U.REPO / '.data' / 'Planetoid', U.REPO / 'data' / 'Planetoid',
-             U.REPO.parent / 'shared' / 'data' / 'Planetoid']
+    dirs += [REPO / '.data' / 'Planetoid', REPO / 'data' / 'Planetoid',
+             REPO.parent / 'shared' / 'data' / 'Planetoid']
     return dirs
 
 
@@ -109,35 +138,19 @@ def _planetoid_fallback(name: str):
                             + ', '.join(str(d) for d in _data_dirs()))
 
 
-def _synthetic_pubmed_fallback():
-    from torch_geometric.data import Data
-    g = torch.Generator().manual_seed(0)
-    N, E, F_in, C = 19717, 88648, 500, 3
-    src = torch.randint(N, (E // 2, ), generator=g)
-    dst = torch.randint(N, (E // 2, ), generator=g)
-    ei = torch.stack([torch.cat([src, dst]), torch.cat([dst, src])])
-    x = torch.rand(N, F_in, generator=g)
-    y = torch.randint(C, (N, ), generator=g)
-    train = torch.zeros(N, dtype=torch.bool)
-    for c in range(C):
-        train[(y == c).nonzero().view(-1)[:20]] = True
-    return Data(x=x, edge_index=ei, y=y, train_mask=train)
-
-
 def load_dataset(name: str):
     """(data, source note); raises when the data cannot be had."""
+    if name == 'PubMed-synth':
+        from pyg_fastattn.datasets import synthetic_pubmed
+        return synthetic_pubmed(), 'pyg_fastattn.datasets.synthetic_pubmed'
     notes = []
     try:
-        from pyg_fastattn import datasets as D
-        d = D.synthetic_pubmed() if name == 'PubMed-synth' else \
-            D.load_planetoid(name)
+        from pyg_fastattn.datasets import load_planetoid
+        d = load_planetoid(name)
         src = 'pyg_fastattn.datasets'
     except Exception as e:  # noqa: BLE001
         notes.append(f'pyg_fastattn.datasets: {type(e).__name__}: {e}')
-        if name == 'PubMed-synth':
-            d, src = _synthetic_pubmed_fallback(), 'bench fallback generator'
-        else:
-            d, src = _planetoid_fallback(name)
+        d, src = _planetoid_fallback(name)
     from torch_geometric.data.data import BaseData
     if not isinstance(d, BaseData):  # a dataset
         d = d[0]
@@ -146,16 +159,55 @@ def load_dataset(name: str):
     return d, src
 
 
-def train_step(model, opt, x, ei, y, train_idx, zero_grad=True):
+class FloorConv(torch.nn.Module):
+    """An attention layer without the attention: its own ``lin`` and bias,
+    ``x @ lin.weight.t() + bias`` ([N, H * C]; the mean over heads when
+    ``concat=False``). Parameter names match GATConv's, so
+    :func:`load_matching` fills it from a GATConv state_dict."""
+
+    def __init__(self, in_channels, out_channels, heads=1, concat=True,
+                 bias=True, **_):
+        super().__init__()
+        self.heads, self.out_channels, self.concat = heads, out_channels, concat
+        self.lin = torch.nn.Linear(in_channels, heads * out_channels,
+                                   bias=False)
+        width = heads * out_channels if concat else out_channels
+        self.bias = torch.nn.Parameter(torch.zeros(width)) if bias else None
+
+    def forward(self, x, edge_index=None):
+        if self.concat or self.heads == 1:  # the mean of one head is that head
+            return F.linear(x, self.lin.weight, self.bias)
+        h = F.linear(x, self.lin.weight)
+        h = h.view(-1, self.heads, self.out_channels).mean(dim=1)
+        return h if self.bias is None else h + self.bias
+
+
+def load_matching(module, state):
+    """Load the entries of ``state`` that ``module`` has (all of its own)."""
+    own = module.state_dict()
+    module.load_state_dict({k: v for k, v in state.items() if k in own})
+    return module
+
+
+def autocast(device_type: Optional[str]):
+    """bfloat16 autocast on ``device_type``; a no-op context for None."""
+    if device_type is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.bfloat16)
+
+
+def train_step(model, opt, x, ei, y, train_idx, zero_grad=True, amp=None):
     """One full-batch training step (zero_grad, forward, cross-entropy on the
     training nodes, backward, optimizer step) as a closure. zero_grad=False
-    leaves the gradients to the caller (CUDA-graph capture)."""
+    leaves the gradients to the caller (CUDA-graph capture); ``amp`` = a
+    device type runs forward and loss under bfloat16 autocast."""
     def run():
         if zero_grad:
             opt.zero_grad(set_to_none=True)
-        out = model(x, ei)
-        loss = F.cross_entropy(out.index_select(0, train_idx),
-                               y.index_select(0, train_idx))
+        with autocast(amp):
+            out = model(x, ei)
+            loss = F.cross_entropy(out.index_select(0, train_idx),
+                                   y.index_select(0, train_idx))
         loss.backward()
         opt.step()
         return loss
@@ -167,32 +219,54 @@ def train_step(model, opt, x, ei, y, train_idx, zero_grad=True):
 # ----------------------------------------------------------------------------
 def measure(fn, dev, args, record: dict, first: bool = True):
     """Time ``fn`` and measure its memory into ``record``; OOM-safe."""
-    res0 = U.resident_mib(dev)
+    res0 = resident_mib(dev)
 
     def go():
         if first:
             t = time.perf_counter()
             out = fn()
-            U.sync(dev)
+            sync(dev)
             record['first_ms'] = (time.perf_counter() - t) * 1e3
             del out
-        t = U.time_fn(fn, dev, warmup=args.warmup, min_reps=args.min_reps,
-                      max_reps=args.max_reps, budget_s=args.rep_budget)
+        t = time_fn(fn, dev, warmup=args.warmup, min_reps=args.min_reps,
+                    max_reps=args.max_reps, budget_s=args.rep_budget,
+                    host=True)
         record.update({k: t[k] for k in ('median_ms', 'p10_ms', 'p90_ms',
                                          'min_ms', 'wall_ms', 'reps')})
-        record['peak_mib'] = U.peak_memory_mib(fn, dev)
-        res1 = U.resident_mib(dev)
+        record.update(host_ms=t['host_median_ms'], host_p10_ms=t['host_p10_ms'],
+                      host_p90_ms=t['host_p90_ms'], host_reps=t['host_reps'])
+        record['peak_mib'] = peak_memory_mib(fn, dev)
+        res1 = resident_mib(dev)
         if res0 is not None and res1 is not None:
             record['resident_mib'] = max(0.0, res1 - res0)
 
-    st, _, msg = U.guarded(go, dev)
+    st, _, msg = guarded(go, dev)
     record['status'] = st
     if msg:
         record['message'] = msg
     if st != 'ok':
-        for k in ('median_ms', 'peak_mib'):
+        for k in ('median_ms', 'host_ms', 'peak_mib'):
             record.pop(k, None)
     return st
+
+
+def compile_fresh(module):
+    """``torch.compile(module)`` (default mode) with Dynamo's caches and
+    counters reset, so every workload compiles from scratch."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    return torch.compile(module)
+
+
+def compile_stats(record: dict):
+    """Graphs and graph breaks Dynamo reported since :func:`compile_fresh`."""
+    try:
+        from torch._dynamo.utils import counters
+        record['compile_graphs'] = counters['stats'].get('unique_graphs')
+        record['graph_breaks'] = sum(counters['graph_break'].values())
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def rel_err(a, b) -> float:
@@ -253,14 +327,14 @@ def fast_cls(args):
     return FastGATConv
 
 
-def epoch_workload(name, dev, args) -> List[dict]:
+def epoch_workload(name, dev, args, provs) -> List[dict]:
     base = dict(workload=f'{name} epoch', kind='epoch', dataset=name)
     try:
         data, src = load_dataset(name)
     except Exception as e:  # noqa: BLE001
         note = f'skipped: data unavailable ({type(e).__name__}: {str(e)[:200]})'
         print(f'[gat] {name}: {note}', flush=True)
-        return [dict(base, provider='pyg', status='skipped', message=note)]
+        return [dict(base, provider=provs[0], status='skipped', message=note)]
     x = data.x.to(dev)
     ei = data.edge_index.to(dev)
     y = data.y.to(dev)
@@ -273,65 +347,64 @@ def epoch_workload(name, dev, args) -> List[dict]:
     pyg_model = GAT(GATConv, x.size(1), 8, C).to(dev)
     recs = []
 
-    def epoch_fn(model, opt):
-        return train_step(model, opt, x, ei, y, train_idx)
-
     # eval-mode outputs with identical weights (correctness)
-    ref = None
     with torch.no_grad():
         pyg_model.eval()
         ref = pyg_model(x, ei)
     state = copy.deepcopy(pyg_model.state_dict())
 
-    # pyg
-    r = dict(base, provider='pyg')
-    pyg_model.train()
-    opt = torch.optim.Adam(pyg_model.parameters(), lr=lr, weight_decay=wd)
-    measure(epoch_fn(pyg_model, opt), dev, args, r)
-    recs.append(r)
-    del opt
+    def build(conv):
+        return load_matching(GAT(conv, x.size(1), 8, C).to(dev), state)
+
+    def run(provider, make, amp=None, check=True):
+        """Build the model, compare its eval outputs with PyG's, time one
+        training step."""
+        r = dict(base, provider=provider)
+        recs.append(r)
+        st, model, msg = guarded(make, dev)
+        if st != 'ok':
+            r.update(status=st, message=msg)
+            return r
+        if check:
+            def chk():
+                model.eval()
+                with torch.no_grad(), autocast(amp):
+                    return rel_err(model(x, ei), ref)
+            st, err, msg = guarded(chk, dev)
+            r['rel_err'] = err if st == 'ok' else f'{st}: {msg}'
+        model.train()
+        opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd)
+        measure(train_step(model, opt, x, ei, y, train_idx, amp=amp), dev,
+                args, r)
+        return r
+
+    if 'pyg' in provs:
+        run('pyg', lambda: pyg_model, check=False)
     pyg_model = None
-    U.free_memory(dev)
-
-    # fast
-    r = dict(base, provider='fast')
-    fast_model = None
-
-    def build_fast():
-        m = GAT(fast_cls(args), x.size(1), 8, C).to(dev)
-        m.load_state_dict(state)
-        return m
-    st, fast_model, msg = U.guarded(build_fast, dev)
-    if st != 'ok':
-        r.update(status=st, message=msg)
-        recs.append(r)
-    else:
-        def check():
-            fast_model.eval()
-            with torch.no_grad():
-                return rel_err(fast_model(x, ei), ref)
-        st, err, msg = U.guarded(check, dev)
-        r['rel_err'] = err if st == 'ok' else f'{st}: {msg}'
-        fast_model.train()
-        opt = torch.optim.Adam(fast_model.parameters(), lr=lr, weight_decay=wd)
-        measure(epoch_fn(fast_model, opt), dev, args, r)
-        recs.append(r)
-        del opt
+    free_memory(dev)
+    if 'fast' in provs:
+        run('fast', lambda: build(fast_cls(args)))
+        free_memory(dev)
+    if 'fast_bf16' in provs:
+        run('fast_bf16', lambda: build(fast_cls(args)), amp=dev.type)
+        free_memory(dev)
+    if 'floor' in provs:
+        run('floor', lambda: build(FloorConv), check=False)
+        free_memory(dev)
 
     # fast + CUDA graph
-    if args.cuda_graph and dev.type == 'cuda':
+    if 'fast+graph' in provs and args.cuda_graph and dev.type == 'cuda':
         r = dict(base, provider='fast+graph')
         holder = {}
 
         def build_graph():
-            m = GAT(fast_cls(args), x.size(1), 8, C).to(dev)
-            m.load_state_dict(state)
+            m = build(fast_cls(args))
             replay, keep = cuda_graph_epoch(m, x, ei, y, train_idx, lr, wd)
             holder['keep'] = (m, keep)
             return replay
-        before = U.resident_mib(dev)
+        before = resident_mib(dev)
         t = time.perf_counter()
-        st, replay, msg = U.guarded(build_graph, dev)
+        st, replay, msg = guarded(build_graph, dev)
         if st != 'ok':
             r.update(status=f'capture {st}', message=msg)
             print(f'[gat] {name}: CUDA-graph capture failed: {msg}', flush=True)
@@ -340,88 +413,143 @@ def epoch_workload(name, dev, args) -> List[dict]:
             measure(replay, dev, args, r, first=False)
             # The graph's activations live in its private pool for good:
             # count them (and params + optimizer state) as resident.
-            after = U.resident_mib(dev)
+            after = resident_mib(dev)
             if before is not None and after is not None:
                 r['resident_mib'] = after - before
         recs.append(r)
         holder.clear()
-    fast_model = ref = None
-    U.free_memory(dev)
+        replay = None
+        free_memory(dev)
+
+    # PyG under torch.compile: the eval-mode check would compile a second
+    # graph, so no rel_err here.
+    if 'pyg_compile' in provs:
+        r = run('pyg_compile', lambda: compile_fresh(build(GATConv)),
+                check=False)
+        compile_stats(r)
+        torch._dynamo.reset()
+    ref = None
+    free_memory(dev)
     return recs
 
 
-def layer_workload(N, E, fin, H, C, mode, dev, args) -> List[dict]:
-    wl = f'layer {U.fmt_count(N)}/{U.fmt_count(E)} {fin}->{H}x{C} {mode}'
+def layer_workload(N, E, fin, H, C, mode, dev, args, provs) -> List[dict]:
+    wl = f'layer {fmt_count(N)}/{fmt_count(E)} {fin}->{H}x{C} {mode}'
     base = dict(workload=wl, kind=f'layer {mode}', nodes=N, edges=E,
                 in_channels=fin, heads=H, channels=C)
     recs = []
-    gen = U.generator(dev, 11)
+    gen = generator(dev, 11)
     ei = torch.randint(N, (2, E), device=dev, generator=gen)
-    x = U.randn((N, fin), dev, 12)
-    gout = U.randn((N, H * C), dev, 13) if mode == 'fwd+bwd' else None
+    x = randn((N, fin), dev, 12)
+    gout = randn((N, H * C), dev, 13) if mode == 'fwd+bwd' else None
     torch.manual_seed(0)
     pyg_conv = GATConv(fin, C, heads=H).to(dev)
     state = copy.deepcopy(pyg_conv.state_dict())
 
-    def fn_for(conv):
+    def fn_for(conv, amp=None):
         params = [p for p in conv.parameters() if p.requires_grad]
         if mode == 'fwd':
             conv.eval()
 
             def run():
-                with torch.no_grad():
+                with torch.no_grad(), autocast(amp):
                     return conv(x, ei)
         else:
             conv.train()
+            g = gout if amp is None else gout.to(torch.bfloat16)
 
             def run():
-                out = conv(x, ei)
-                return torch.autograd.grad(out, params, gout)
+                with autocast(amp):
+                    out = conv(x, ei)
+                return torch.autograd.grad(out, params, g)
         return run
 
-    ref = None
-    r = dict(base, provider='pyg')
-    measure(fn_for(pyg_conv), dev, args, r)
-    recs.append(r)
-    if r['status'] == 'ok':  # outputs (fwd) or parameter gradients (fwd+bwd)
-        st, ref, _ = U.guarded(lambda: fn_for(pyg_conv)(), dev)
-    pyg_conv = None
-    U.free_memory(dev)
-
-    r = dict(base, provider='fast')
-
-    def build():
-        m = fast_cls(args)(fin, C, heads=H).to(dev)
-        m.load_state_dict(state)
-        return m
-    st, fast_conv, msg = U.guarded(build, dev)
-    if st != 'ok':
-        r.update(status=st, message=msg)
-    else:
-        prep = getattr(importlib.import_module('pyg_fastattn'), 'prepare', None) \
-            if args.fast_impl is None else None
-        if prep is not None:  # one-off cost of preparing the graph
-            def prep_time():
-                U.sync(dev)
-                t = time.perf_counter()
-                g = prep(ei, num_nodes=N)
-                U.sync(dev)
-                return (time.perf_counter() - t) * 1e3
-            U.guarded(prep_time, dev)  # first call pays lazy init
-            st, ms, _ = U.guarded(prep_time, dev)
-            if st == 'ok':
-                r['prepare_ms'] = ms
-        measure(fn_for(fast_conv), dev, args, r)
+    def check(r, fn):
         if ref is not None and r['status'] == 'ok':
-            st, err, msg = U.guarded(lambda: rel_err(fn_for(fast_conv)(), ref), dev)
+            st, err, msg = guarded(lambda: rel_err(fn(), ref), dev)
             r['rel_err'] = err if st == 'ok' else f'{st}: {msg}'
-    recs.append(r)
-    fast_conv = ref = x = ei = gout = None
-    U.free_memory(dev)
+
+    # outputs (fwd) or parameter gradients (fwd+bwd) of eager PyG
+    ref = None
+    if 'pyg' in provs:
+        r = dict(base, provider='pyg')
+        measure(fn_for(pyg_conv), dev, args, r)
+        recs.append(r)
+        if r['status'] == 'ok':
+            st, ref, _ = guarded(lambda: fn_for(pyg_conv)(), dev)
+    elif any(p in provs for p in ('fast', 'fast_bf16', 'pyg_compile')):
+        st, ref, _ = guarded(lambda: fn_for(pyg_conv)(), dev)
+    pyg_conv = None
+    free_memory(dev)
+
+    fast_provs = [p for p in ('fast', 'fast_bf16') if p in provs]
+    if fast_provs:
+        st, fast_conv, msg = guarded(
+            lambda: load_matching(fast_cls(args)(fin, C, heads=H).to(dev),
+                                  state), dev)
+        prep_ms = None
+        if st == 'ok':
+            prep = getattr(importlib.import_module('pyg_fastattn'), 'prepare',
+                           None) if args.fast_impl is None else None
+            if prep is not None:  # one-off cost of preparing the graph
+                def prep_time():
+                    sync(dev)
+                    t = time.perf_counter()
+                    prep(ei, num_nodes=N)
+                    sync(dev)
+                    return (time.perf_counter() - t) * 1e3
+                guarded(prep_time, dev)  # first call pays lazy init
+                pst, ms, _ = guarded(prep_time, dev)
+                prep_ms = ms if pst == 'ok' else None
+        for p in fast_provs:
+            r = dict(base, provider=p)
+            recs.append(r)
+            if st != 'ok':
+                r.update(status=st, message=msg)
+                continue
+            if p == 'fast' and prep_ms is not None:
+                r['prepare_ms'] = prep_ms
+            amp = dev.type if p == 'fast_bf16' else None
+            measure(fn_for(fast_conv, amp), dev, args, r)
+            check(r, fn_for(fast_conv, amp))
+            free_memory(dev)
+        fast_conv = None
+        free_memory(dev)
+
+    if 'floor' in provs:
+        r = dict(base, provider='floor')
+        recs.append(r)
+        st, floor, msg = guarded(
+            lambda: load_matching(FloorConv(fin, C, heads=H).to(dev), state),
+            dev)
+        if st != 'ok':
+            r.update(status=st, message=msg)
+        else:
+            measure(fn_for(floor), dev, args, r)
+        floor = None
+        free_memory(dev)
+
+    if 'pyg_compile' in provs:
+        r = dict(base, provider='pyg_compile')
+        recs.append(r)
+        st, comp, msg = guarded(lambda: compile_fresh(load_matching(
+            GATConv(fin, C, heads=H).to(dev), state)), dev)
+        if st != 'ok':
+            r.update(status=st, message=msg)
+        else:
+            measure(fn_for(comp), dev, args, r)
+            compile_stats(r)
+            check(r, fn_for(comp))
+        comp = None
+        torch._dynamo.reset()
+        free_memory(dev)
+    ref = x = ei = gout = None
+    free_memory(dev)
     return recs
 
 
 def plan(dev, quick: bool):
+    """[(name, legacy name for --only, build(providers) -> records)]."""
     cuda = dev.type == 'cuda'
     epochs = ['Cora'] if quick else ['Cora', 'CiteSeer', 'PubMed-synth']
     if cuda and not quick:
@@ -434,59 +562,112 @@ def plan(dev, quick: bool):
         layers = [(10_000, 100_000, 64, 4, 16), (50_000, 1_000_000, 64, 4, 16)]
     else:
         layers = [(5_000, 50_000, 64, 4, 16)]
-    P = [(f'{n} epoch', (lambda n=n: epoch_workload(n, dev, ARGS))) for n in epochs]
+    P = [(f'{n} epoch', f'{n} epoch',
+          (lambda provs, n=n: epoch_workload(n, dev, ARGS, provs)))
+         for n in epochs]
     for (N, E, fin, H, C) in layers:
         for mode in ('fwd', 'fwd+bwd'):
-            P.append((f'layer {N}/{E} {mode}',
-                      (lambda a=(N, E, fin, H, C, mode): layer_workload(*a, dev, ARGS))))
+            P.append((f'layer {fmt_count(N)}/{fmt_count(E)} {fin}->{H}x{C} {mode}',
+                      f'layer {N}/{E} {mode}',
+                      (lambda provs, a=(N, E, fin, H, C, mode):
+                       layer_workload(*a, dev, ARGS, provs))))
     return P
 
 
 # ----------------------------------------------------------------------------
 # report
 # ----------------------------------------------------------------------------
+# (provider, time key, memory key, label when it ran out of memory)
+_BASES = (('pyg', 'speedup', 'mem_ratio', 'PyG OOM'),
+          ('pyg_compile', 'speedup_compile', 'mem_ratio_compile',
+           'compile OOM'))
+
+
 def add_ratios(records: List[dict]):
+    """Time and memory ratios against ``pyg`` and ``pyg_compile`` (base /
+    provider: > 1 = the provider is faster / smaller) and ``floor_x`` =
+    provider time / floor time."""
     by_wl: Dict[str, Dict[str, dict]] = {}
     for r in records:
         by_wl.setdefault(r['workload'], {})[r['provider']] = r
-    for wl, provs in by_wl.items():
-        p = provs.get('pyg')
+    for provs in by_wl.values():
+        fl = provs.get('floor')
         for name, r in provs.items():
-            if name == 'pyg' or r.get('status') != 'ok':
+            if r.get('status') != 'ok':
                 continue
-            if p and p.get('status') == 'ok':
-                r['speedup'] = p['median_ms'] / r['median_ms']
-                if p.get('peak_mib') and r.get('peak_mib'):
-                    r['mem_ratio'] = p['peak_mib'] / r['peak_mib']
-            elif p and p.get('status') == 'OOM':
-                r['speedup'] = 'PyG OOM'
-                r['mem_ratio'] = 'PyG OOM'
+            for base, tkey, mkey, oom in _BASES:
+                b = provs.get(base)
+                if name == base or b is None:
+                    continue
+                if b.get('status') == 'ok':
+                    r[tkey] = b['median_ms'] / r['median_ms']
+                    if b.get('peak_mib') and r.get('peak_mib'):
+                        r[mkey] = b['peak_mib'] / r['peak_mib']
+                elif b.get('status') == 'OOM':
+                    r[tkey] = r[mkey] = oom
+            if name != 'floor' and fl and fl.get('status') == 'ok':
+                r['floor_x'] = r['median_ms'] / fl['median_ms']
+
+
+def order_records(records: List[dict]) -> List[dict]:
+    """Workloads in the order they first ran, providers in PROVIDERS order."""
+    first: Dict[str, int] = {}
+    for r in records:
+        first.setdefault(r['workload'], len(first))
+    rank = {p: i for i, p in enumerate(PROVIDERS)}
+    return sorted(records, key=lambda r: (first[r['workload']],
+                                          rank.get(r['provider'], len(rank))))
+
+
+def _status_cell(r):
+    if r.get('status') == 'ok':
+        return r.get('median_ms')
+    msg = r.get('message')
+    return r.get('status') + (f' ({msg[:60]})' if msg and r.get('status') != 'OOM'
+                              else '')
 
 
 def markdown(meta, records) -> str:
+    records = order_records(records)
+    ok = lambda k: lambda r: r.get(k) if r.get('status') == 'ok' else None  # noqa: E731
     cols = [('workload', 'workload'), ('provider', 'provider'),
-            ('median ms', lambda r: r.get('median_ms') if r.get('status') == 'ok'
-             else (r.get('status') + (f" ({r['message'][:60]})"
-                                      if r.get('message') and r.get('status') != 'OOM'
-                                      else ''))),
-            ('p10-p90 ms', lambda r: f"{U.fmt(r.get('p10_ms'))}-{U.fmt(r.get('p90_ms'))}"
+            ('median ms', _status_cell),
+            ('p10-p90 ms', lambda r: f"{fmt(r.get('p10_ms'))}-{fmt(r.get('p90_ms'))}"
              if r.get('status') == 'ok' else None),
-            ('peak MiB', 'peak_mib'), ('speedup', 'speedup'),
-            ('memory ratio', 'mem_ratio'), ('resident MiB', 'resident_mib'),
+            ('host ms', ok('host_ms')), ('peak MiB', ok('peak_mib')),
+            ('vs pyg', 'speedup'), ('vs compile', 'speedup_compile'),
+            ('x floor', 'floor_x'), ('mem vs pyg', 'mem_ratio'),
+            ('mem vs compile', 'mem_ratio_compile'),
+            ('resident MiB', 'resident_mib'),
             ('first call ms', 'first_ms'), ('prepare ms', 'prepare_ms'),
             ('rel err', 'rel_err')]
-    mem = ('max_memory_allocated delta of one call' if meta['device'] == 'cuda'
+    cuda = meta['device'] == 'cuda'
+    mem = ('max_memory_allocated delta of one call' if cuda
            else 'peak-RSS growth of one call (VmHWM reset via /proc/self/clear_refs)')
+    host = ('median time until the Python call returns, the GPU '
+            'synchronised between calls and never inside the timed region '
+            '(launch cost plus any wait the call forces)' if cuda else
+            'median of the same perf_counter samples (on CPU host time = wall '
+            'time)')
     head = [f'# FastGATConv vs GATConv ({meta["device"]})', '']
-    head += [f'- {line}' for line in U.env_lines(meta)]
-    head += [f'- command: `{meta["command"]}`', '',
+    head += [f'- {line}' for line in env_lines(meta)]
+    head += [f'- command: `{meta["command"]}`',
+             f'- providers: {", ".join(meta.get("providers") or [])}', '',
              'Median of per-call times after warm-up '
-             + ('(CUDA events)' if meta['device'] == 'cuda' else '(perf_counter)')
-             + f'. Peak MiB = {mem}. speedup = PyG median / provider median; '
-             'memory ratio = PyG peak / provider peak. resident MiB = memory '
+             + ('(CUDA events)' if cuda else '(perf_counter)')
+             + f'. host ms = {host}. Peak MiB = {mem}. '
+             'vs pyg / vs compile = median of eager PyG / of PyG under '
+             'torch.compile (default mode, compiled afresh per workload, '
+             'compile time only in its first call ms) over the provider\'s '
+             'median; x floor = provider median / floor median, where floor '
+             '= the same model with every attention layer replaced by its own '
+             'lin + bias (x @ W.t() + b), the cost no attention layer goes '
+             'below; mem vs pyg / vs compile = base peak / provider peak. '
+             'fast_bf16 = fast under torch.autocast(bfloat16). '
+             'resident MiB = memory '
              'still held after warm-up (caches, optimizer state); first call '
              'includes one-off graph preparation (prepare ms: '
-             '`pyg_fastattn.prepare` alone). rel err = max|fast - PyG| / '
+             '`pyg_fastattn.prepare` alone). rel err = max|provider - PyG| / '
              'max|PyG| with identical weights: eval-mode outputs (epochs, fwd) '
              'or parameter gradients (fwd+bwd). fast+graph: '
              'the epoch captured once in a CUDA graph and replayed (fused '
@@ -496,9 +677,21 @@ def markdown(meta, records) -> str:
              'capture. Epoch = '
              'zero_grad + forward + loss + backward + Adam step of the 2-layer '
              'PyG example GAT.', '']
-    notes = [f"- {r['workload']}: {r['message']}" for r in records
-             if r.get('status') == 'skipped']
-    body = U.md_table(records, cols)
+    notes, seen = [], set()
+    for r in records:
+        if r.get('status') == 'skipped' and r['workload'] not in seen:
+            seen.add(r['workload'])
+            notes.append(f"- {r['workload']}: {r['message']}")
+        elif r.get('status') not in ('ok', 'skipped', 'OOM', None) \
+                and r.get('message'):
+            notes.append(f"- {r['workload']} [{r['provider']}]: "
+                         f"{r['status']}: {r['message']}")
+        if r['provider'] == 'pyg_compile' and r.get('status') == 'ok':
+            notes.append(f"- {r['workload']} [pyg_compile]: "
+                         f"{r.get('compile_graphs')} graph(s), "
+                         f"{r.get('graph_breaks')} graph break(s); first call "
+                         f"incl. compile {fmt(r.get('first_ms', 0) / 1e3)} s")
+    body = md_table(records, cols)
     if notes:
         body += '\n\nNotes:\n' + '\n'.join(notes)
     srcs = sorted({f"{r['dataset']}: {r['data_source']}" for r in records
@@ -521,8 +714,8 @@ def plot(meta, records, path: Path):
     for r in records:
         if r['workload'] not in wls:
             wls.append(r['workload'])
-    provs = [p for p in ('fast', 'fast+graph')
-             if any(r['provider'] == p for r in records)]
+    provs = [p for p in PROVIDERS if p != 'pyg'
+             and any(r['provider'] == p for r in records)]
     if not provs:
         return None
     get = {(r['workload'], r['provider']): r for r in records}
@@ -555,7 +748,8 @@ def plot(meta, records, path: Path):
                     else:
                         txt = r.get('status')
                     notes.append((x, txt))
-            bars = ax.bar(xs, ys, width, label=p)
+            style = {'color': '0.75', 'hatch': '//'} if p == 'floor' else {}
+            bars = ax.bar(xs, ys, width, label=p, **style)
             for b, v in zip(bars, ys):
                 ax.annotate(f'{v:.1f}', (b.get_x() + b.get_width() / 2,
                                          b.get_height()),
@@ -585,6 +779,18 @@ def plot(meta, records, path: Path):
     return str(path)
 
 
+def summary(r: dict) -> str:
+    """One provider's console summary."""
+    p = r.get('provider')
+    if r.get('status') != 'ok':
+        return f"{p} {r.get('status')}"
+    s = (f"{p} {fmt(r['median_ms'])} ms (host {fmt(r.get('host_ms'))}) / "
+         f"{fmt(r.get('peak_mib'))} MiB")
+    if isinstance(r.get('speedup'), float):
+        s += f" ({r['speedup']:.2f}x)"
+    return s
+
+
 ARGS = None
 
 
@@ -598,14 +804,22 @@ def main(argv=None):
     ap.add_argument('--out', default='bench_out')
     ap.add_argument('--only', default=None,
                     help='comma list of substrings of workload names')
-    U.add_timing_args(ap)
+    ap.add_argument('--providers', default=','.join(PROVIDERS),
+                    help='comma list of providers to run (default all: '
+                         + ','.join(PROVIDERS) + '; fast+graph also needs '
+                         '--cuda-graph and CUDA)')
+    add_timing_args(ap)
     ap.add_argument('--fast-impl', default=None,
                     help='module:Class used as the fast conv (testing the '
                          'harness, e.g. torch_geometric.nn:GATConv)')
     args = ap.parse_args(argv)
     ARGS = args
-    dev = U.pick_device(args.device)
-    U.setup_threads(dev)
+    provs = [p.strip() for p in args.providers.split(',') if p.strip()]
+    unknown = [p for p in provs if p not in PROVIDERS]
+    if unknown or not provs:
+        ap.error(f'--providers: unknown {unknown}; choose from {PROVIDERS}')
+    dev = pick_device(args.device)
+    setup_threads(dev)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.rep_budget is None:
@@ -615,63 +829,64 @@ def main(argv=None):
     if dev.type == 'cuda':  # context, cuBLAS handles: out of every timing
         torch.ones(64, 64, device=dev) @ torch.ones(64, 64, device=dev)
         torch.cuda.synchronize()
-    meta = U.env_info(dev)
+    meta = env_info(dev)
     meta['command'] = ' '.join([os.path.basename(sys.executable)] + sys.argv)
     meta['quick'] = args.quick
     meta['fast_impl'] = args.fast_impl or 'pyg_fastattn.FastGATConv'
-    for line in U.env_lines(meta):
+    meta['providers'] = [p for p in PROVIDERS if p in provs and (
+        p != 'fast+graph' or (args.cuda_graph and dev.type == 'cuda'))]
+    for line in env_lines(meta):
         print(line, flush=True)
     if FastGATConv is None and not args.fast_impl:
         print(f'WARNING: FastGATConv unavailable ({_FAST_ERR}); only PyG runs',
               flush=True)
     out_dir = Path(args.out)
     stem = f'gat_{dev.type}'
-    budget = U.Budget(args.budget_s)
+    budget = Budget(args.budget_s)
     records: List[dict] = []
     skipped = []
     only = args.only.split(',') if args.only else None
-    for name, build in plan(dev, args.quick):
-        if only and not any(o in name for o in only):
+    # Pass 1: eager providers of every workload; pass 2: compiled ones, so
+    # that compile time never crowds out eager rows under --budget-s.
+    passes = [[p for p in provs if p not in COMPILED],
+              [p for p in provs if p in COMPILED]]
+    workloads = [w for w in plan(dev, args.quick)
+                 if not only or any(o in w[0] or o in w[1] for o in only)]
+    for pas in passes:
+        if not pas:
             continue
-        if budget.spent():
-            skipped.append(name)
-            continue
-        t0 = time.perf_counter()
-        st, recs, msg = U.guarded(build, dev)
-        if st != 'ok':
-            recs = [dict(workload=name, provider='-', status=st, message=msg)]
-        records += recs
-        by = {r['provider']: r for r in recs}
-        add_ratios(records)
-        parts = []
-        for p, r in by.items():
-            if r.get('status') == 'ok':
-                s = f"{p} {U.fmt(r['median_ms'])} ms / {U.fmt(r.get('peak_mib'))} MiB"
-                if isinstance(r.get('speedup'), float):
-                    s += f" ({r['speedup']:.2f}x)"
-            else:
-                s = f"{p} {r.get('status')}"
-            parts.append(s)
-        print(f"[gat] {recs[0]['workload'] if recs else name}: "
-              + ', '.join(parts) + f'  [{time.perf_counter() - t0:.1f} s]',
-              flush=True)
-        meta['skipped'] = skipped
-        U.write_outputs(out_dir, stem, meta, records, markdown(meta, records))
-        plot(meta, records, out_dir / f'{stem}.png')
+        for name, _, build in workloads:
+            if budget.spent():
+                skipped.append(name if pas is passes[0]
+                               else f'{name} [{",".join(pas)}]')
+                continue
+            t0 = time.perf_counter()
+            st, recs, msg = guarded(lambda: build(pas), dev)
+            if st != 'ok':
+                recs = [dict(workload=name, provider=','.join(pas), status=st,
+                             message=msg)]
+            records += recs
+            add_ratios(records)
+            print(f'[gat] {name}: ' + ', '.join(summary(r) for r in recs)
+                  + f'  [{time.perf_counter() - t0:.1f} s]', flush=True)
+            meta['skipped'] = skipped
+            write_outputs(out_dir, stem, meta, order_records(records),
+                          markdown(meta, records))
+            plot(meta, records, out_dir / f'{stem}.png')
     meta['skipped'] = skipped
     meta['elapsed_s'] = round(budget.elapsed(), 1)
-    meta['loadavg_end'] = U._loadavg()
+    meta['loadavg_end'] = loadavg()
     md = markdown(meta, records)
     if skipped:
         md += f'\nSkipped (time budget): {", ".join(skipped)}\n'
-    paths = U.write_outputs(out_dir, stem, meta, records, md)
+    paths = write_outputs(out_dir, stem, meta, order_records(records), md)
     png = plot(meta, records, out_dir / f'{stem}.png')
     print()
     print(md)
     print(f"wrote {paths['md']}, {paths['json']}, {paths['csv']}"
           + (f', {png}' if png else ''))
     bad = [r for r in records if r.get('provider', '').startswith('fast')
-           and r.get('status') != 'ok']
+           and r.get('status') not in ('ok', 'skipped')]
     return 1 if bad or (FastGATConv is None and not args.fast_impl) else 0
 
 

@@ -20,9 +20,10 @@ where it takes one, a precomputed CSC):
 
 Modes: ``fwd`` runs under ``torch.no_grad()``; ``fwd+bwd`` runs forward and
 ``torch.autograd.grad`` of every differentiable input with a random
-upstream gradient. Timing, peak memory and launch counting: see
-``benchmarks/_util.py``. Bandwidth: ``floor`` bytes = every input and output
-tensor of the op (both passes for fwd+bwd) read or written exactly once;
+upstream gradient. Timing and launch counting: see
+``benchmarks/_timing.py``; peak memory: ``benchmarks/_memory.py``.
+Bandwidth: ``floor`` bytes = every input and output tensor of the op (both
+passes for fwd+bwd) read or written exactly once;
 ``gather`` bytes add one [H*C] feature-row read per edge and per gather pass
 (the traffic with no cache reuse of neighbour rows). GB/s = bytes / median
 time; %BW = floor GB/s over the measured device-to-device copy bandwidth.
@@ -39,7 +40,13 @@ from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _util as U  # noqa: E402
+from _env import (  # noqa: E402
+    bandwidth, env_info, env_lines, loadavg, pick_device, setup_threads)
+from _graphs import generator, nbytes, randn, random_csr  # noqa: E402
+from _memory import free_memory, guarded, peak_memory_mib  # noqa: E402
+from _report import fmt, md_table, write_outputs  # noqa: E402
+from _timing import (  # noqa: E402
+    Budget, add_timing_args, count_launches, sync, time_fn)
 
 import torch  # noqa: E402
 from torch_geometric.utils import scatter as pyg_scatter  # noqa: E402
@@ -108,12 +115,12 @@ def _ours(fn):
 # ----------------------------------------------------------------------------
 def edge_softmax_cases(dev, N, H, deg=None, deg_range=None, seed=False,
                        target=None, idx=torch.long):
-    rowptr, col, row = U.random_csr(N, dev, deg=deg, deg_range=deg_range,
-                                    seed=1, index_dtype=idx)
+    rowptr, col, row = random_csr(N, dev, deg=deg, deg_range=deg_range,
+                                  seed=1, index_dtype=idx)
     row64, ptr64 = row.long(), rowptr.long()
     E = col.numel()
-    s = U.randn((E, H), dev, 2, requires_grad=True)
-    g = U.randn((E, H), dev, 3)
+    s = randn((E, H), dev, 2, requires_grad=True)
+    g = randn((E, H), dev, 3)
     impls = {
         'ours': _ours(lambda: ops.edge_softmax(s, rowptr, validate=False)),
         'pyg-ptr': lambda: pyg_softmax(s, ptr=ptr64),
@@ -121,53 +128,53 @@ def edge_softmax_cases(dev, N, H, deg=None, deg_range=None, seed=False,
     }
     d = f'deg {deg}' if deg else f'deg {deg_range[0]}-{deg_range[1]}'
     size = f'{N:,} rows x {d} x {H}h (E={E:,})'
-    fl = (2 * U.nbytes(s) + U.nbytes(rowptr), 4 * U.nbytes(s) + U.nbytes(rowptr))
+    fl = (2 * nbytes(s) + nbytes(rowptr), 4 * nbytes(s) + nbytes(rowptr))
     return _both('edge_softmax', size, impls, 'pyg-ptr', [s], g, fl, fl, seed,
                  {'fwd': target}, dict(N=N, E=E, H=H))
 
 
 def sddmm_cases(dev, N, E, C, seed=False, target=None, idx=torch.long):
-    gen = U.generator(dev, 4)
+    gen = generator(dev, 4)
     i = torch.randint(N, (E, ), device=dev, generator=gen).to(idx)
     j = torch.randint(N, (E, ), device=dev, generator=gen).to(idx)
     i64, j64 = i.long(), j.long()
-    x = U.randn((N, C), dev, 5, requires_grad=True)
-    g = U.randn((E, ), dev, 6)
+    x = randn((N, C), dev, 5, requires_grad=True)
+    g = randn((E, ), dev, 6)
     impls = {
         'ours': _ours(lambda: ops.sddmm(x, x, i, j, op='dot', validate=False)),
         'torch-gather': lambda: (x[i64] * x[j64]).sum(-1),
     }
     size = f'{N:,} nodes, {E:,} edges x {C}'
     out_b, row_b = E * 4, C * 4
-    fwd_floor = U.nbytes(x, i, j) + out_b
-    fb_floor = fwd_floor + out_b + U.nbytes(x)  # + grad_out, grad_x
-    fwd_gather = U.nbytes(i, j) + out_b + 2 * E * row_b
-    fb_gather = fwd_gather + out_b + 2 * E * row_b + U.nbytes(x)
+    fwd_floor = nbytes(x, i, j) + out_b
+    fb_floor = fwd_floor + out_b + nbytes(x)  # + grad_out, grad_x
+    fwd_gather = nbytes(i, j) + out_b + 2 * E * row_b
+    fb_gather = fwd_gather + out_b + 2 * E * row_b + nbytes(x)
     return _both('sddmm', size, impls, 'torch-gather', [x], g,
                  (fwd_floor, fb_floor), (fwd_gather, fb_gather), seed,
                  {'fwd': target}, dict(N=N, E=E, C=C))
 
 
 def _aggregate_data(dev, N, deg, H, C, deg_range=None, idx=torch.long):
-    rowptr, col, row = U.random_csr(N, dev, deg=deg, deg_range=deg_range,
-                                    seed=7, index_dtype=idx)
+    rowptr, col, row = random_csr(N, dev, deg=deg, deg_range=deg_range,
+                                  seed=7, index_dtype=idx)
     E = col.numel()
-    s = U.randn((E, H), dev, 8, requires_grad=True)
-    v = U.randn((N, H, C), dev, 9, requires_grad=True)
-    g = U.randn((N, H, C), dev, 10)
+    s = randn((E, H), dev, 8, requires_grad=True)
+    v = randn((N, H, C), dev, 9, requires_grad=True)
+    g = randn((N, H, C), dev, 10)
     csc = ops.csr_to_csc(rowptr, col, N) if ops is not None else None
-    U.sync(dev)
+    sync(dev)
     return rowptr, col, row, E, s, v, g, csc
 
 
 def _aggregate_bytes(rowptr, col, s, v, g):
     E, HC = col.numel(), v.shape[1] * v.shape[2]
-    out = U.nbytes(g)
-    fwd_floor = U.nbytes(rowptr, col, s, v) + out
-    fb_floor = fwd_floor + U.nbytes(g) + U.nbytes(s) + U.nbytes(v)
+    out = nbytes(g)
+    fwd_floor = nbytes(rowptr, col, s, v) + out
+    fb_floor = fwd_floor + nbytes(g) + nbytes(s) + nbytes(v)
     gathered = E * HC * v.element_size()
-    fwd_gather = U.nbytes(rowptr, col, s) + out + gathered
-    fb_gather = fwd_gather + U.nbytes(g) + U.nbytes(s) + U.nbytes(v) + 2 * gathered
+    fwd_gather = nbytes(rowptr, col, s) + out + gathered
+    fb_gather = fwd_gather + nbytes(g) + nbytes(s) + nbytes(v) + 2 * gathered
     return (fwd_floor, fb_floor), (fwd_gather, fb_gather)
 
 
@@ -307,7 +314,7 @@ def run_case(case: Case, dev, args, bw_ref: Optional[float]) -> List[dict]:
     for name, fn in case.impls.items():
         rec = dict(op=case.op, size=case.size, mode=case.mode, impl=name,
                    seed_size=case.seed, **case.params)
-        st, t, msg = U.guarded(lambda: U.time_fn(
+        st, t, msg = guarded(lambda: time_fn(
             fn, dev, warmup=args.warmup, min_reps=args.min_reps,
             max_reps=args.max_reps * (4 if case.seed else 1), budget_s=budget), dev)
         rec['status'] = st
@@ -322,26 +329,26 @@ def run_case(case: Case, dev, args, bw_ref: Optional[float]) -> List[dict]:
             rec['gbs_gather'] = case.gather / s / 1e9
             if bw_ref:
                 rec['pct_bw_floor'] = 100.0 * rec['gbs_floor'] / bw_ref
-            st2, mem, _ = U.guarded(lambda: U.peak_memory_mib(fn, dev), dev)
+            st2, mem, _ = guarded(lambda: peak_memory_mib(fn, dev), dev)
             rec['peak_mib'] = mem if st2 == 'ok' else st2
             if case.seed and not args.no_profile:
-                st3, cnt, m3 = U.guarded(lambda: U.count_launches(fn, dev), dev)
+                st3, cnt, m3 = guarded(lambda: count_launches(fn, dev), dev)
                 if st3 == 'ok':
                     rec.update({f'launch_{k}': v for k, v in cnt.items()})
         recs.append(rec)
-        U.free_memory(dev)
+        free_memory(dev)
     # correctness of every implementation against the baseline
     if case.baseline in case.impls:
-        st, ref, _ = U.guarded(case.impls[case.baseline], dev)
+        st, ref, _ = guarded(case.impls[case.baseline], dev)
         if st == 'ok':
             for rec in recs:
                 if rec['impl'] == case.baseline or rec['status'] != 'ok':
                     continue
-                st2, err, _ = U.guarded(
+                st2, err, _ = guarded(
                     lambda: rel_err(case.impls[rec['impl']](), ref), dev)
                 rec['rel_err'] = err if st2 == 'ok' else st2
         ref = None
-        U.free_memory(dev)
+        free_memory(dev)
     # speedups
     by = {r['impl']: r for r in recs}
     ours = by.get('ours')
@@ -389,8 +396,8 @@ def summary_rows(records: List[dict], baselines: Dict[tuple, str]) -> List[dict]
         best = min(cands, key=lambda r: r['median_ms']) if cands else None
         ok = ours.get('status') == 'ok'
         row = dict(op=key[0], size=key[1], mode=key[2], ours_ms=_ms(ours),
-                   baseline=f"{base_name}: {U.fmt(_ms(base))}" if base else '-',
-                   others='; '.join(f"{o['impl']}: {U.fmt(o['median_ms'])}"
+                   baseline=f"{base_name}: {fmt(_ms(base))}" if base else '-',
+                   others='; '.join(f"{o['impl']}: {fmt(o['median_ms'])}"
                                     for o in others) or '-')
         row['speedup'] = (base['median_ms'] / ours['median_ms']
                           if ok and base and base.get('status') == 'ok' else
@@ -401,13 +408,13 @@ def summary_rows(records: List[dict], baselines: Dict[tuple, str]) -> List[dict]
         row['gbs'] = ours.get('gbs_floor') if ok else None
         row['gbs_gather'] = ours.get('gbs_gather') if ok else None
         row['pct_bw'] = ours.get('pct_bw_floor') if ok else None
-        row['mem'] = f"{U.fmt(ours.get('peak_mib'))} / {U.fmt(base.get('peak_mib') if base else None)}"
+        row['mem'] = f"{fmt(ours.get('peak_mib'))} / {fmt(base.get('peak_mib') if base else None)}"
         if 'launch_kernels' in ours or (base and 'launch_kernels' in base):
-            row['launches'] = (f"{U.fmt(ours.get('launch_kernels'))} / "
-                               f"{U.fmt(base.get('launch_kernels') if base else None)}")
+            row['launches'] = (f"{fmt(ours.get('launch_kernels'))} / "
+                               f"{fmt(base.get('launch_kernels') if base else None)}")
         elif 'launch_ops' in ours:
-            row['launches'] = (f"{U.fmt(ours.get('launch_ops'))} / "
-                               f"{U.fmt(base.get('launch_ops') if base else None)} ops")
+            row['launches'] = (f"{fmt(ours.get('launch_ops'))} / "
+                               f"{fmt(base.get('launch_ops') if base else None)} ops")
         else:
             row['launches'] = None
         errs = [r.get('rel_err') for r in rs if isinstance(r.get('rel_err'), float)]
@@ -434,7 +441,7 @@ def markdown(meta, records, baselines, args) -> str:
             ('peak MiB ours / base', 'mem'), (launch_hdr, 'launches'),
             ('rel err', 'err'), ('target', 'target')]
     head = [f'# pyg_fastattn op benchmark ({meta["device"]})', '']
-    head += [f'- {line}' for line in U.env_lines(meta)]
+    head += [f'- {line}' for line in env_lines(meta)]
     head += [f'- command: `{meta["command"]}`', '',
              'Median of per-call times ('
              + ('CUDA events' if meta['device'] == 'cuda' else 'perf_counter')
@@ -445,7 +452,7 @@ def markdown(meta, records, baselines, args) -> str:
              + ('(max_memory_allocated delta)' if meta['device'] == 'cuda' else
                 '(peak RSS growth)') + '. rel err = max|ours - baseline| / '
              'max|baseline| over all outputs (grads for fwd+bwd).', '']
-    return '\n'.join(head) + '\n' + U.md_table(rows, cols) + '\n'
+    return '\n'.join(head) + '\n' + md_table(rows, cols) + '\n'
 
 
 def main(argv=None):
@@ -458,11 +465,11 @@ def main(argv=None):
     ap.add_argument('--no-seed', action='store_true', help='skip the seed sizes')
     ap.add_argument('--no-profile', action='store_true',
                     help='skip launch counting (torch.profiler)')
-    U.add_timing_args(ap)
+    add_timing_args(ap)
     args = ap.parse_args(argv)
 
-    dev = U.pick_device(args.device)
-    U.setup_threads(dev)
+    dev = pick_device(args.device)
+    setup_threads(dev)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.rep_budget is None:
@@ -470,13 +477,13 @@ def main(argv=None):
     if args.quick:
         args.min_reps = min(args.min_reps, 3)
         args.warmup = min(args.warmup, 2)
-    meta = U.env_info(dev)
-    meta.update(U.bandwidth(dev))
+    meta = env_info(dev)
+    meta.update(bandwidth(dev))
     meta['command'] = ' '.join([os.path.basename(sys.executable)] + sys.argv)
     meta['quick'] = args.quick
     bw_ref = meta.get('bw_copy_gbs') or meta.get('bw_nominal_gbs')
     meta['bw_ref_gbs'] = bw_ref
-    for line in U.env_lines(meta):
+    for line in env_lines(meta):
         print(line, flush=True)
     if ops is None:
         print(f'WARNING: pyg_fastattn.ops unavailable: {_OPS_ERR}', flush=True)
@@ -487,7 +494,7 @@ def main(argv=None):
     only = set(args.only.split(',')) if args.only else None
     out_dir = Path(args.out)
     stem = f'ops_{dev.type}'
-    budget = U.Budget(args.budget_s)
+    budget = Budget(args.budget_s)
     records: List[dict] = []
     baselines: Dict[tuple, str] = {}
     skipped = []
@@ -498,7 +505,7 @@ def main(argv=None):
             skipped.append(op)
             continue
         t0 = time.perf_counter()
-        st, cases, msg = U.guarded(build, dev)
+        st, cases, msg = guarded(build, dev)
         if st != 'ok':
             print(f'[{op}] setup failed: {st} {msg}', flush=True)
             records.append(dict(op=op, size='?', mode='-', impl='setup',
@@ -518,21 +525,21 @@ def main(argv=None):
             sp = (f"{b['median_ms'] / o['median_ms']:.2f}x"
                   if o.get('status') == 'ok' and b.get('status') == 'ok' else '-')
             print(f"[{case.op}] {case.size} {case.mode}: ours "
-                  f"{U.fmt(_ms(o))} ms, {case.baseline} {U.fmt(_ms(b))} ms, "
-                  f"speedup {sp}, err {U.fmt(o.get('rel_err'))}", flush=True)
+                  f"{fmt(_ms(o))} ms, {case.baseline} {fmt(_ms(b))} ms, "
+                  f"speedup {sp}, err {fmt(o.get('rel_err'))}", flush=True)
             meta['skipped'] = skipped
-            U.write_outputs(out_dir, stem, meta, records,
-                            markdown(meta, records, baselines, args))
+            write_outputs(out_dir, stem, meta, records,
+                          markdown(meta, records, baselines, args))
         cases = None
-        U.free_memory(dev)
+        free_memory(dev)
         print(f'  ({op} took {time.perf_counter() - t0:.1f} s)', flush=True)
     meta['skipped'] = skipped
     meta['elapsed_s'] = round(budget.elapsed(), 1)
-    meta['loadavg_end'] = U._loadavg()
+    meta['loadavg_end'] = loadavg()
     md = markdown(meta, records, baselines, args)
     if skipped:
         md += f'\nSkipped (time budget): {", ".join(skipped)}\n'
-    paths = U.write_outputs(out_dir, stem, meta, records, md)
+    paths = write_outputs(out_dir, stem, meta, records, md)
     print()
     print(md)
     print(f"wrote {paths['md']}, {paths['json']}, {paths['csv']}")

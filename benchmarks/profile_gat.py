@@ -15,7 +15,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import _util as U  # noqa: E402
+from _env import pick_device, setup_threads  # noqa: E402
+from _graphs import generator, randn  # noqa: E402
+from _memory import free_memory, guarded  # noqa: E402
+from _timing import sync, time_fn  # noqa: E402
 import bench_gat as B  # noqa: E402
 
 import torch  # noqa: E402
@@ -46,10 +49,10 @@ def epoch_fn(conv, name, dev):
 
 
 def layer_fn(conv, N, E, fin, H, C, dev):
-    gen = U.generator(dev, 11)
+    gen = generator(dev, 11)
     ei = torch.randint(N, (2, E), device=dev, generator=gen)
-    x = U.randn((N, fin), dev, 12)
-    gout = U.randn((N, H * C), dev, 13)
+    x = randn((N, fin), dev, 12)
+    gout = randn((N, H * C), dev, 13)
     torch.manual_seed(0)
     m = conv(fin, C, heads=H).to(dev).train()
     params = list(m.parameters())
@@ -57,7 +60,7 @@ def layer_fn(conv, N, E, fin, H, C, dev):
 
 
 def profile(label, fn, dev, rows):
-    t = U.time_fn(fn, dev, warmup=3, min_reps=5, max_reps=50, budget_s=2)
+    t = time_fn(fn, dev, warmup=3, min_reps=5, max_reps=50, budget_s=2)
     c = OpCount()
     with c:
         fn()
@@ -67,7 +70,7 @@ def profile(label, fn, dev, rows):
     with torch.profiler.profile(activities=acts) as p:
         for _ in range(3):
             fn()
-        U.sync(dev)
+        sync(dev)
     key = 'self_cuda_time_total' if dev.type == 'cuda' else 'self_cpu_time_total'
     print(f'\n=== {label}: median {t["median_ms"]:.3f} ms, wall '
           f'{t["wall_ms"]:.3f} ms/call, {c.n} aten ops/call (3 calls below)')
@@ -81,8 +84,8 @@ def main():
     ap.add_argument('--providers', default='fast,pyg')
     ap.add_argument('--rows', type=int, default=18)
     args = ap.parse_args()
-    dev = U.pick_device(args.device)
-    U.setup_threads(dev)
+    dev = pick_device(args.device)
+    setup_threads(dev)
     convs = {'fast': FastGATConv, 'pyg': GATConv}
     if dev.type == 'cuda':
         layers = [(100_000, 2_000_000, 128, 8, 16), (1_000_000, 20_000_000, 128, 4, 32)]
@@ -96,11 +99,11 @@ def main():
         if args.only and not any(s in label for s in args.only.split(',')):
             continue
         for prov in args.providers.split(','):
-            st, _, msg = U.guarded(lambda: profile(f'{label} [{prov}]', make(convs[prov]), dev,
-                                                   args.rows), dev)
+            st, _, msg = guarded(lambda: profile(f'{label} [{prov}]', make(convs[prov]), dev,
+                                                 args.rows), dev)
             if st != 'ok':
                 print(f'\n=== {label} [{prov}]: {st} {msg}')
-            U.free_memory(dev)
+            free_memory(dev)
 
 
 if __name__ == '__main__':

@@ -7,12 +7,19 @@ GATConv(F, 8, heads=8) -> ELU -> GATConv(64, classes, heads=1,
 concat=False); Adam (lr 0.005, weight decay 5e-4); NormalizeFeatures; the
 public split. We report test accuracy at the epoch of best validation
 accuracy and the median time of a training step (forward, loss, backward,
-optimizer step; evaluation excluded).
+optimizer step; evaluation excluded) after the warm-up epochs, whose time
+(compilation, CUDA-graph capture) is reported separately.
 
     python examples/train_cora.py                       # FastGATConv on Cora
     python examples/train_cora.py --layer both --runs 5 # side-by-side table
     python examples/train_cora.py --dataset PubMed --synthetic --layer both
     python examples/train_cora.py --device cuda --cuda-graph
+    python examples/train_cora.py --layer both --amp bf16
+    python examples/train_cora.py --compile reduce-overhead --device cuda
+
+--amp runs forward and loss under torch.autocast (fp16 adds a GradScaler);
+--compile wraps the model in torch.compile. From Python:
+``run(layer='fast', amp='bf16', compile='default')['test_acc']``.
 
 Data are never downloaded: see ``pyg_fastattn.datasets.load_planetoid``
 (--root DIR or PYG_FASTATTN_DATA=DIR with DIR/Cora/raw/ind.cora.*).
@@ -103,10 +110,46 @@ class PeakTensorMemory(torch.utils._python_dispatch.TorchDispatchMode):
 
 # Training ####################################################################
 
+AMP_DTYPES = {'none': None, 'bf16': torch.bfloat16, 'fp16': torch.float16}
+COMPILE_MODES = ('none', 'default', 'reduce-overhead')
 
-def _accuracy(model, data, graph):
+
+def _check_options(amp, compile, cuda_graph):
+    """Normalized ``(amp, compile)``; ValueError for unknown values and for
+    combinations that cannot work."""
+    amp = 'none' if amp is None else str(amp).lower()
+    amp = {'bfloat16': 'bf16', 'float16': 'fp16', 'half': 'fp16'}.get(amp, amp)
+    compile = ('none' if compile in (None, False) else
+               'default' if compile is True else str(compile))
+    if amp not in AMP_DTYPES:
+        raise ValueError(f'amp must be one of {list(AMP_DTYPES)}, '
+                         f'got {amp!r}')
+    if compile not in COMPILE_MODES:
+        raise ValueError(f'compile must be one of {list(COMPILE_MODES)}, '
+                         f'got {compile!r}')
+    if cuda_graph and compile != 'none':
+        raise ValueError(
+            f'--cuda-graph cannot be combined with --compile {compile}: the '
+            f'manual capture would record a torch.compile graph; use '
+            f'--compile reduce-overhead (compiled CUDA graphs) instead')
+    if cuda_graph and amp == 'fp16':
+        raise ValueError(
+            '--cuda-graph cannot be combined with --amp fp16: GradScaler '
+            'checks gradients for inf/NaN on the host every step, which a '
+            'CUDA graph cannot capture; use --amp bf16 (no scaler)')
+    return amp, compile
+
+
+def _autocast(device, amp, cache_enabled=True):
+    """torch.autocast for ``amp`` ('none': disabled)."""
+    dtype = AMP_DTYPES[amp]
+    return torch.autocast(device.type, dtype=dtype, enabled=dtype is not None,
+                          cache_enabled=cache_enabled)
+
+
+def _accuracy(model, data, graph, amp='none'):
     model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), _autocast(data.x.device, amp):
         pred = model(data.x, graph).argmax(dim=-1)
     return [float((pred[m] == data.y[m]).float().mean())
             for m in (data.train_mask, data.val_mask, data.test_mask)]
@@ -131,11 +174,22 @@ def _side_stream(device):
 
 def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
           hidden=8, heads=8, dropout=0.6, device=None, seed=0, log_every=0,
-          cuda_graph=False, measure_memory=True, log=print):
+          cuda_graph=False, measure_memory=True, log=print, amp='none',
+          compile='none'):
     """Train one GAT and return a dict: ``test_acc`` (at the best validation
-    epoch), ``best_val_acc``, ``best_epoch``, ``epoch_times`` (seconds per
-    training step), ``median_epoch_ms``, ``peak_memory`` (bytes or None)
-    and ``memory_method``."""
+    epoch), ``final_test_acc`` (at the last epoch), ``best_val_acc``,
+    ``best_epoch``, ``epoch_times`` (seconds per training step, warm-up
+    included), ``warmup_epochs``, ``warmup_s`` (training steps and
+    evaluations of the warm-up epochs: compilation, CUDA-graph capture),
+    ``median_epoch_ms`` (training steps after the warm-up), ``peak_memory``
+    (bytes or None), ``memory_method``, ``amp`` and ``compile``.
+
+    ``amp``: 'none', 'bf16' or 'fp16' (forward and loss under
+    ``torch.autocast``; fp16 adds a ``torch.amp.GradScaler``). ``compile``:
+    'none', 'default' or 'reduce-overhead' (``torch.compile(model, mode=...)``;
+    resets torch._dynamo first so that every run compiles afresh).
+    ``cuda_graph`` refuses ``compile`` and ``amp='fp16'`` (ValueError)."""
+    amp, compile = _check_options(amp, compile, cuda_graph)
     device = torch.device(device or ('cuda' if torch.cuda.is_available()
                                      else 'cpu'))
     num_classes = int(data.y.max()) + 1
@@ -153,6 +207,15 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
     opt = torch.optim.Adam(model.parameters(), lr=lr,
                            weight_decay=weight_decay, capturable=use_graph,
                            fused=True if use_graph else None)
+    scaler = torch.amp.GradScaler(device.type) if amp == 'fp16' else None
+    net = model
+    if compile != 'none':
+        torch._dynamo.reset()  # no recompile limit across runs; fair timing
+        net = torch.compile(model, mode=compile)
+    # cudagraph trees: each call starts a new iteration (outputs of the last
+    # one are dead by then)
+    mark_step = (torch.compiler.cudagraph_mark_step_begin
+                 if compile == 'reduce-overhead' else lambda: None)
     # FastGATConv caches the prepared graph by itself; preparing it up front
     # keeps host syncs out of the timed steps and the CUDA graph.
     graph = prepare(data.edge_index, num_nodes=data.num_nodes) \
@@ -161,11 +224,18 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
     train_idx = data.train_mask.nonzero().view(-1)  # no sync inside steps
     train_y = data.y[train_idx]
 
-    def step():
-        out = model(data.x, graph)
-        loss = F.cross_entropy(out[train_idx], train_y)
-        loss.backward()
-        opt.step()
+    def step(module=None):
+        # autocast's weight-cast cache must be off while capturing
+        with _autocast(device, amp, cache_enabled=not use_graph):
+            out = (net if module is None else module)(data.x, graph)
+            loss = F.cross_entropy(out[train_idx], train_y)
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
         return loss
 
     if device.type == 'cuda':
@@ -173,14 +243,20 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
         torch.cuda.reset_peak_memory_stats(device)
     captured, static_loss, warmup = None, None, 3
     side = _side_stream(device) if use_graph else None
+    # epochs left out of the median: the first eager step prepares; the
+    # compiled ones compile (and record cudagraph trees); capture is one more
+    warmup_epochs = min(epochs, warmup + 1 if use_graph else
+                        3 if compile != 'none' else 1)
 
     best_val, test_acc, best_epoch, times = -1.0, 0.0, 0, []
+    warmup_s = 0.0
     for epoch in range(1, epochs + 1):
         model.train()
         _sync(device)
         t0 = time.perf_counter()
         if not use_graph:
             opt.zero_grad(set_to_none=True)
+            mark_step()
             loss = step()
         elif epoch <= warmup:  # warm up on a side stream before capture
             side.wait_stream(torch.cuda.current_stream(device))
@@ -201,7 +277,11 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
         _sync(device)
         times.append(time.perf_counter() - t0)
 
-        train_acc, val_acc, tmp_test = _accuracy(model, data, graph)
+        mark_step()
+        train_acc, val_acc, tmp_test = _accuracy(net, data, graph, amp)
+        if epoch <= warmup_epochs:
+            _sync(device)
+            warmup_s += time.perf_counter() - t0
         if val_acc > best_val:
             best_val, test_acc, best_epoch = val_acc, tmp_test, epoch
         if log_every and (epoch % log_every == 0 or epoch == epochs):
@@ -214,17 +294,34 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
         peak, method = torch.cuda.max_memory_allocated(device), \
             'torch.cuda.max_memory_allocated over training'
     elif measure_memory:
-        peak, method = _cpu_step_memory(model, opt, step), \
-            'peak live tensor bytes in one training step (dispatch tracker)'
+        # eager model: the dispatch tracker does not see inside compiled code
+        peak, method = _cpu_step_memory(model, opt, lambda: step(model)), \
+            'peak live tensor bytes in one training step (dispatch tracker' \
+            + (', eager model)' if compile != 'none' else ')')
     if captured is not None:
         captured.reset()  # free the graph's private pool before the next run
-    steady = times[1:] if len(times) > 1 else times  # first step prepares
+    steady = times[warmup_epochs:] or times
     return {
-        'layer': layer, 'test_acc': test_acc, 'best_val_acc': best_val,
-        'best_epoch': best_epoch, 'epoch_times': times,
+        'layer': layer, 'test_acc': test_acc, 'final_test_acc': tmp_test,
+        'best_val_acc': best_val, 'best_epoch': best_epoch,
+        'epoch_times': times, 'warmup_epochs': warmup_epochs,
+        'warmup_s': warmup_s,
         'median_epoch_ms': 1e3 * statistics.median(steady),
-        'peak_memory': peak, 'memory_method': method,
+        'peak_memory': peak, 'memory_method': method, 'amp': amp,
+        'compile': compile,
     }
+
+
+def run(layer='fast', dataset='Cora', root=None, synthetic=False, data=None,
+        epochs=200, device=None, seed=0, amp='none', compile='none',
+        **kwargs):
+    """Load ``dataset`` (unless ``data`` is given) and :func:`train` one
+    model; returns train's dict (``run(...)['test_acc']``: test accuracy at
+    the best validation epoch). ``kwargs`` go to :func:`train`."""
+    if data is None:
+        data, _ = load_data(dataset, root, synthetic)
+    return train(data, layer, epochs=epochs, device=device, seed=seed,
+                 amp=amp, compile=compile, **kwargs)
 
 
 def _cpu_step_memory(model, opt, step_fn):
@@ -284,10 +381,20 @@ def main(argv=None):
                    '(benchmarking only)')
     p.add_argument('--cuda-graph', action='store_true',
                    help='capture the whole training step in a CUDA graph '
-                   '(fast layer, CUDA only)')
+                   '(fast layer, CUDA only; not with --compile or --amp fp16)')
+    p.add_argument('--amp', default='none', choices=list(AMP_DTYPES),
+                   help='run forward and loss under torch.autocast in this '
+                   'dtype (fp16 adds a GradScaler)')
+    p.add_argument('--compile', default='none', choices=list(COMPILE_MODES),
+                   help='torch.compile(model, mode=...) ("default": inductor '
+                   'default mode; reduce-overhead adds CUDA graphs on CUDA)')
     p.add_argument('--no-memory', action='store_true',
                    help='skip the CPU memory measurement')
     args = p.parse_args(argv)
+    try:
+        _check_options(args.amp, args.compile, args.cuda_graph)
+    except ValueError as e:
+        p.error(str(e))
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -304,39 +411,51 @@ def main(argv=None):
           f'{"" if device.type != "cpu" else f", {torch.get_num_threads()} threads"}'
           f'; pyg_fastattn backend: '
           f'{"native" if pyg_fastattn.backend_info()["native_cpu"] else "reference"}')
+    amp = args.amp if args.amp == 'none' else \
+        f'{args.amp} (autocast {AMP_DTYPES[args.amp]}' + \
+        (', GradScaler)' if args.amp == 'fp16' else ')')
+    print(f'settings: layer {args.layer}, amp {amp}, compile {args.compile}, '
+          f'cuda-graph {"on" if args.cuda_graph else "off"}, epochs '
+          f'{args.epochs}, runs {args.runs}')
 
     layers = ['fast', 'pyg'] if args.layer == 'both' else [args.layer]
     results = {k: [] for k in layers}
-    for run in range(args.runs):
+    for i in range(args.runs):
         for layer in layers:
             r = train(data, layer, epochs=args.epochs, device=device,
-                      seed=args.seed + run, log_every=args.log_every,
+                      seed=args.seed + i, log_every=args.log_every,
                       cuda_graph=args.cuda_graph,
-                      measure_memory=not args.no_memory)
+                      measure_memory=not args.no_memory, amp=args.amp,
+                      compile=args.compile)
             results[layer].append(r)
-            print(f'[{layer}] run {run + 1}: test accuracy {r["test_acc"]:.4f}'
+            print(f'[{layer}] run {i + 1}: test accuracy {r["test_acc"]:.4f}'
                   f' (best val {r["best_val_acc"]:.4f} at epoch '
                   f'{r["best_epoch"]}), median epoch '
-                  f'{r["median_epoch_ms"]:.2f} ms, peak memory '
-                  f'{_mib(r["peak_memory"])}')
+                  f'{r["median_epoch_ms"]:.2f} ms, warm-up {r["warmup_s"]:.2f}'
+                  f' s (first {r["warmup_epochs"]} epochs), '
+                  f'peak memory {_mib(r["peak_memory"])}')
 
     rows = []
     for layer in layers:
         rs = results[layer]
         accs = [r['test_acc'] for r in rs]
         std = statistics.stdev(accs) if len(accs) > 1 else 0.0
-        ms = statistics.median(t for r in rs for t in r['epoch_times'][1:]
-                               or r['epoch_times']) * 1e3
+        ms = statistics.median(
+            t for r in rs for t in r['epoch_times'][r['warmup_epochs']:]
+            or r['epoch_times']) * 1e3
         mem = [r['peak_memory'] for r in rs if r['peak_memory'] is not None]
+        warm = statistics.mean(r['warmup_s'] for r in rs)
         rows.append((layer, f'{statistics.mean(accs):.4f} ± {std:.4f}',
                      f'{ms:.2f}', _mib(max(mem) if mem else None), ms,
-                     max(mem) if mem else None))
+                     max(mem) if mem else None, f'{warm:.2f}'))
     if len(rows) > 1:
         print()
         print(f'{"layer":6s} {"test acc (mean ± std)":>22s} '
-              f'{"median epoch ms":>16s} {"peak memory":>12s}')
+              f'{"median epoch ms":>16s} {"peak memory":>12s} '
+              f'{"warm-up s":>10s}')
         for r in rows:
-            print(f'{r[0]:6s} {r[1]:>22s} {r[2]:>16s} {r[3]:>12s}')
+            print(f'{r[0]:6s} {r[1]:>22s} {r[2]:>16s} {r[3]:>12s} '
+                  f'{r[6]:>10s}')
         f, g = rows[0], rows[1]
         line = f'fast vs pyg: {g[4] / f[4]:.2f}x faster per epoch'
         if f[5] and g[5]:
@@ -347,7 +466,8 @@ def main(argv=None):
             print(f'(memory: {method})')
     else:
         r = rows[0]
-        print(f'{r[0]}: test accuracy {r[1]}, median epoch {r[2]} ms')
+        print(f'{r[0]}: test accuracy {r[1]}, median epoch {r[2]} ms, '
+              f'warm-up {r[6]} s (mean per run)')
     return 0
 
 

@@ -554,20 +554,3 @@ def test_torch_compile_fullgraph(backend, prepared):
     g = torch.autograd.grad(out.sum(), [x] + list(model.parameters()))
     for a, b in zip(g, g_expected):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(not __import__('os').environ.get('PYG_FASTATTN_SLOW'),
-                    reason='inductor compile takes minutes on CPU; set '
-                    'PYG_FASTATTN_SLOW=1')
-def test_torch_compile_inductor():
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = CompiledNet()
-    x = torch.randn(40, 10)
-    ei = random_graph(40, 40, 160)
-    ea = torch.randn(160, 3)
-    expected = model(x, ei, ea)
-    out = torch.compile(model, fullgraph=True)(x, ei, ea)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-4)
-    out.sum().backward()

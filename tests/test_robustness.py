@@ -261,7 +261,9 @@ _PROBE = """
 
 
 def test_no_compiler_falls_back_to_reference(tmp_path):
-    env = dict(os.environ, PYG_FASTATTN_CACHE=str(tmp_path),
+    # CPU only: a CUDA build would run nvcc for minutes before the C++
+    # compiler fails (and once more on the retry)
+    env = dict(os.environ, PYG_FASTATTN_CACHE=str(tmp_path), PYG_FASTATTN_CUDA='0',
                CXX=str(tmp_path / 'no-such-compiler'), PYG_FASTATTN_BACKEND='auto')
     r = _python(_PROBE, env)
     assert r.returncode == 0, r.stderr
@@ -282,7 +284,7 @@ def test_broken_cache_falls_back_to_reference(tmp_path):
         (d / (_build.NAME + '.so')).write_bytes(b'not a shared library')
         print(d)
     """
-    env = dict(os.environ, PYG_FASTATTN_CACHE=str(tmp_path),
+    env = dict(os.environ, PYG_FASTATTN_CACHE=str(tmp_path), PYG_FASTATTN_CUDA='0',
                CUDA_VISIBLE_DEVICES='', PYG_FASTATTN_BACKEND='reference')
     r = _python(code, env)  # (reference: the import builds nothing)
     assert r.returncode == 0, r.stderr
