@@ -60,8 +60,9 @@ class FastGATConv(GATConv):
     (the graph is then prepared inside the compiled graph; pass a
     :class:`PreparedGraph` to skip that work). ``return_attention_weights``
     costs one host sync (the number of kept edges depends on the data), so
-    it is for analysis, not for compiled or CUDA-graph code. On CPU, float16
-    and bfloat16 inputs are computed in float32 by the kernel.
+    it is for analysis, not for compiled or CUDA-graph code. Under
+    ``torch.autocast`` the fused op runs in the autocast dtype (float32
+    accumulation) on CPU and CUDA.
 
     Falls back to GATConv's own code (same results, no speedup) for
     ``aggr`` other than ``'add'``, ``flow='target_to_source'`` and explain
