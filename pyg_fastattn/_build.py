@@ -19,6 +19,7 @@ import glob
 import hashlib
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import warnings
@@ -82,6 +83,30 @@ def _flags(with_cuda: bool):
     return cflags, ldflags, cuda_flags
 
 
+def _version_line(cmd: List[str]) -> str:
+    try:
+        r = subprocess.run(cmd + ['--version'], capture_output=True, text=True,
+                           timeout=30)
+        return (r.stdout or r.stderr).strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return 'unknown'
+
+
+def _toolchain(with_cuda: bool) -> tuple:
+    """What a build depends on besides the sources: the C++ compiler, and
+    with CUDA nvcc and the target architectures (TORCH_CUDA_ARCH_LIST, or
+    the visible GPUs' that cpp_extension builds for when it is unset)."""
+    parts = [_version_line([os.environ.get('CXX', 'c++')])]
+    if with_cuda:
+        from torch.utils.cpp_extension import CUDA_HOME
+        parts.append(_version_line([os.path.join(CUDA_HOME, 'bin', 'nvcc')]))
+        archs = os.environ.get('TORCH_CUDA_ARCH_LIST') or sorted({
+            torch.cuda.get_device_capability(i)
+            for i in range(torch.cuda.device_count())})
+        parts.append(repr(archs))
+    return tuple(parts)
+
+
 def _build_dir(root: Path, srcs: List[str], with_cuda: bool, flags) -> Path:
     h = hashlib.sha256()
     headers = glob.glob(str(root / '**' / '*.h'), recursive=True)
@@ -90,7 +115,7 @@ def _build_dir(root: Path, srcs: List[str], with_cuda: bool, flags) -> Path:
     for f in sorted(srcs + headers):
         h.update(os.path.relpath(f, root).encode())
         h.update(Path(f).read_bytes())
-    h.update(repr((flags, os.environ.get('TORCH_CUDA_ARCH_LIST'))).encode())
+    h.update(repr((flags, _toolchain(with_cuda))).encode())
     tag = f'cu{torch.version.cuda}' if with_cuda else 'cpu'
     base = os.environ.get('PYG_FASTATTN_CACHE') or os.path.join(
         os.path.expanduser('~'), '.cache', 'pyg_fastattn')

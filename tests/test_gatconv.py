@@ -476,6 +476,25 @@ def test_cache_hits_and_invalidation(backend):
     assert cache_info()['size'] == size
 
 
+def test_cache_inference_mode_tensors(backend):
+    """An edge_index made under inference_mode (no version counter) is
+    prepared once, not on every call, and gives GATConv's result."""
+    clear_cache()
+    torch.manual_seed(0)
+    model = Net(FastGATConv).eval()
+    ref = Net(GATConv).eval()
+    ref.load_state_dict(model.state_dict())
+    with torch.inference_mode():
+        x = torch.randn(40, 10)
+        ei = random_graph(40, 40, 200).clone()
+        assert ei.is_inference()
+        out = model(x, ei)
+        model(x, ei)
+        expected = ref(x, ei)
+    assert cache_info()['misses'] == 1 and cache_info()['hits'] == 5
+    torch.testing.assert_close(out, expected, **TOL[torch.float32])
+
+
 def test_prepared_graph(backend):
     dtype = torch.float64
     ref, fast = make_pair(dtype, 8, 4, heads=2, edge_dim=2)

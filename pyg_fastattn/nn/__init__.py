@@ -1,7 +1,8 @@
 """Drop-in PyG layers on the fused kernels."""
 from .gat_conv import FastGATConv
-from .graph import PreparedGraph, cache_info, clear_cache, prepare
+from .graph import (PreparedGraph, cache_info, clear_cache, prepare,
+                    set_cache_size)
 from .swap import swap_gat
 
 __all__ = ['FastGATConv', 'swap_gat', 'prepare', 'PreparedGraph',
-           'cache_info', 'clear_cache']
+           'cache_info', 'clear_cache', 'set_cache_size']

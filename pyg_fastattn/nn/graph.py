@@ -346,6 +346,11 @@ class _GraphCache:
     weakref, so a freed tensor whose id or memory is reused never hits), its
     ``_version`` (in-place mutation invalidates), shape, dtype, device, the
     node counts and ``add_self_loops``. Entries die with their tensor.
+
+    Writes that bypass the version counter are not seen: through
+    ``edge_index.data``, through NumPy (``edge_index.numpy()``), or into a
+    tensor made under ``torch.inference_mode()`` (cached by identity).
+    After such a write call :func:`clear_cache`, or pass a new tensor.
     """
     def __init__(self, max_size: int = 8):
         self.max_size = max_size
@@ -361,11 +366,10 @@ class _GraphCache:
 
     def get(self, edge_index, num_src, num_dst, add_self_loops) -> PreparedGraph:
         if isinstance(edge_index, Tensor):
-            try:
-                version = edge_index._version
-            except RuntimeError:  # inference tensors track no version
-                return _prepare(edge_index, num_src, num_dst, add_self_loops,
-                                True)
+            # Inference tensors track no version: they are cached by
+            # identity alone (an in-place write to one is not seen).
+            version = (None if edge_index.is_inference() else
+                       edge_index._version)
             meta = (tuple(edge_index.shape), edge_index.dtype,
                     edge_index.layout, edge_index.device)
         else:  # torch_sparse.SparseTensor: immutable
