@@ -42,16 +42,18 @@ def _mean_acc(root, amp='none', compile='none'):
 
 
 def test_compiled_training_reaches_eager_accuracy(shared_data_root):
-    """torch.compile (inductor) trains the Cora GAT to eager's test accuracy
-    within 0.01, mean of 3 seeds."""
+    """torch.compile (inductor) trains the Cora GAT to eager's test accuracy:
+    no more than 0.01 below it, mean of 3 seeds (inductor draws its own
+    dropout masks, so the runs differ; a broken compiled model ended at
+    0.17)."""
     eager, a_e = _mean_acc(shared_data_root)
     compiled, a_c = _mean_acc(shared_data_root, compile='default')
-    assert abs(compiled - eager) <= 0.01, (a_e, a_c)
+    assert compiled >= eager - 0.01, (a_e, a_c)
 
 
 def test_bf16_autocast_reaches_fp32_accuracy(shared_data_root):
-    """bfloat16 autocast on the CPU trains Cora to float32 accuracy within
-    0.01, mean of 3 seeds."""
+    """bfloat16 autocast on the CPU trains Cora to float32 accuracy: no more
+    than 0.01 below it, mean of 3 seeds."""
     fp32, a_32 = _mean_acc(shared_data_root)
     bf16, a_16 = _mean_acc(shared_data_root, amp='bf16')
-    assert abs(bf16 - fp32) <= 0.01, (a_32, a_16)
+    assert bf16 >= fp32 - 0.01, (a_32, a_16)
