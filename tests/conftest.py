@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import pyg_fastattn
-from pyg_fastattn import _build, reference
+from pyg_fastattn import _build
 from pyg_fastattn.ops._lib import use_reference
 
 REPO = Path(__file__).resolve().parent.parent

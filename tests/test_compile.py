@@ -31,7 +31,7 @@ def _op_cases(device, idx):
     """(op name, args) for every op, with the graph's real index tensors."""
     t = _inputs(device, idx)
     rowptr, col, csc, d = t['rowptr'], t['col'], t['csc'], t['d']
-    Ns, N, E, H, C = t['Ns'], t['N'], t['E'], t['H'], t['C']
+    N, E, H, C = t['N'], t['E'], t['H'], t['C']
     s, v, bias = t['s'], t['v'], t['bias']
     x = torch.randn(N, 5, **d)  # dst_is_src: sources are the N targets
     csc_n = ops.csr_to_csc(rowptr, col, N)
