@@ -14,7 +14,6 @@ from .graph import PreparedGraph, _sparse_tensor_cls, get_graph, is_sparse_adj
 __all__ = ['FastGATConv']
 
 
-
 class FastGATConv(GATConv):
     r"""A drop-in :class:`torch_geometric.nn.conv.GATConv` that runs the
     attention (scores, per-destination softmax, dropout, aggregation) in one
