@@ -15,6 +15,7 @@ cast to the autocast dtype (float16/bfloat16); kernels read that dtype and
 accumulate in float32.
 """
 import contextlib
+import functools
 import warnings
 from typing import Callable, Dict, List, Optional
 
@@ -32,7 +33,9 @@ def define(schema: str) -> None:
     _names.append(schema.split('(', 1)[0].strip())
 
 
+@functools.lru_cache(maxsize=None)
 def op(name: str):
+    """``torch.ops.pyg_fastattn.<name>.default`` (looked up once)."""
     return getattr(getattr(torch.ops, NAMESPACE), name).default
 
 
@@ -69,8 +72,8 @@ def _register_autocast(name: str) -> None:
 def _register_autograd(name: str, backward: Callable,
                        setup_context: Callable) -> None:
     """The Autograd kernel that ``torch.library.register_autograd`` makes,
-    less its per-call ``fill_defaults`` over the schema (about 0.1 ms a call
-    on a 2-core host; these schemas have no defaults to fill): below
+    less its per-call ``fill_defaults`` over the schema (host time on every
+    call; these schemas have no defaults to fill): below
     autograd the op redispatches; with grad, through an autograd.Function
     whose forward calls ``setup_context(ctx, inputs, output)`` and whose
     backward is ``backward(ctx, *grads)``."""

@@ -2,14 +2,12 @@
 backward, and ``softmax_aggregate`` on top of it."""
 from typing import Optional
 
-import torch
 from torch import Tensor
 
+from ..reference import _opmath
 from . import _lib
 from ._checks import check_csr, check_same_device, check_tensor, index_pair
 from .csr import CSC, maybe_csc
-
-_OPMATH = {torch.float64: torch.float64}
 
 # For each row i (destination) and edge e = (j -> i) in it, per head h:
 #   z[e] = a_src[j] + a_dst[i] + a_edge[e]      (absent terms are 0)
@@ -53,7 +51,7 @@ def _fake(rowptr, col, a_src, a_dst, a_edge, mask, values, negative_slope,
     N, H = rowptr.shape[0] - 1, values.shape[1]
     out = values.new_empty((N, H, values.shape[2]))
     lse = values.new_empty((N, H),
-                           dtype=_OPMATH.get(values.dtype, torch.float32))
+                           dtype=_opmath(values.dtype))
     return out, lse
 
 

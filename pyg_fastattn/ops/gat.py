@@ -3,9 +3,9 @@
 CUDA) or :func:`pyg_fastattn.reference.gat_attention`."""
 from typing import Optional
 
-import torch
 from torch import Tensor
 
+from ..reference import _opmath
 from . import _lib
 from .csr import CSC, maybe_csc
 
@@ -34,8 +34,6 @@ _lib.define(
     'Tensor? mask, Tensor? bias, Tensor out, Tensor lse, '
     'float negative_slope, bool dst_is_src, bool[8] output_mask) -> Tensor[]')
 
-_OPMATH = {torch.float64: torch.float64}
-
 
 def _fake(rowptr, col, colptr, csc_row, csc_perm, csc_inv, x, weight, h_src,
           att_src, h_dst, att_dst, a_edge, mask, bias, negative_slope,
@@ -45,7 +43,7 @@ def _fake(rowptr, col, colptr, csc_row, csc_perm, csc_inv, x, weight, h_src,
     Ns, N = src.shape[0], rowptr.shape[0] - 1
     dt = src.dtype
     out = src.new_empty((N, H, C))
-    lse = src.new_empty((N, H), dtype=_OPMATH.get(dt, torch.float32))
+    lse = src.new_empty((N, H), dtype=_opmath(dt))
     h = src.new_empty((Ns, H, C) if weight is not None else (0, ))
     has_dst = dst_is_src or h_dst is not None
     return (out, lse, h, src.new_empty((Ns, H)),
