@@ -13,7 +13,8 @@
 #   info   nvidia-smi, versions of python/torch/PyG/CUDA/nvcc/ninja
 #   build  python3 -m pyg_fastattn.build (PYG_FASTATTN_VERBOSE=1), and a check
 #          that the CUDA kernels are native
-#   tests  python3 -m pytest tests -q (the whole suite; cudatests: -m cuda -x only)
+#   tests  python3 -m pytest tests -q (the whole suite, in TEST_SHARDS
+#          concurrent processes; cudatests: -m cuda -x only)
 #   ops    benchmarks/bench_ops.py --device $DEV
 #   gat    benchmarks/bench_gat.py --device $DEV --cuda-graph
 #   profile  benchmarks/profile_gat.py --device $DEV (not in the default set)
@@ -152,7 +153,7 @@ collect() {
                 echo "===== $(basename "$f") (summary) ====="
                 grep -E '^(FAILED|ERROR)' "$f" | head -n 30
                 grep -E '^SKIPPED' "$f" | head -n 8
-                grep -E '(passed|failed|errors?|skipped|deselected|no tests ran).* in [0-9.]+s' "$f" | tail -n 2
+                grep -E '(passed|failed|errors?|skipped|deselected|no tests ran).* in [0-9.]+s' "$f" | tail -n 8
                 echo
             }
         done
@@ -277,8 +278,26 @@ if [ $want_tests -eq 1 ]; then
         run_step tests_cuda "${T_TESTS_CUDA:-150}" \
             'python3 -m pytest tests -q -x -m cuda -rfEs --durations=10 -p no:cacheprovider'
     else
-        run_step tests "${T_TESTS:-360}" \
-            'python3 -m pytest tests -q -rfEs --durations=15 -p no:cacheprovider'
+        # TEST_SHARDS=N runs the test files in N concurrent pytest processes
+        # (round robin over the files), each logging to tests_<k>.log.
+        run_step tests "${T_TESTS:-360}" '
+n=${TEST_SHARDS:-1}
+mapfile -t files < <(ls tests/test_*.py)
+pids=()
+for ((k = 0; k < n; k++)); do
+    sel=()
+    for ((i = k; i < ${#files[@]}; i += n)); do sel+=("${files[$i]}"); done
+    python3 -m pytest "${sel[@]}" -q -rfEs --durations=8 -p no:cacheprovider \
+        >"'"$LOGS"'/tests_$k.part" 2>&1 &
+    pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+for ((k = 0; k < n; k++)); do
+    echo "===== shard $k ====="
+    cat "'"$LOGS"'/tests_$k.part"
+done
+exit $rc'
     fi
 fi
 
