@@ -100,10 +100,10 @@ def _toolchain(with_cuda: bool) -> tuple:
     if with_cuda:
         from torch.utils.cpp_extension import CUDA_HOME
         parts.append(_version_line([os.path.join(CUDA_HOME, 'bin', 'nvcc')]))
-        archs = os.environ.get('TORCH_CUDA_ARCH_LIST') or sorted({
-            torch.cuda.get_device_capability(i)
-            for i in range(torch.cuda.device_count())})
-        parts.append(repr(archs))
+        archs = os.environ.get('TORCH_CUDA_ARCH_LIST') or ';'.join(sorted({
+            '%d.%d' % torch.cuda.get_device_capability(i)
+            for i in range(torch.cuda.device_count())}))
+        parts.append(archs)  # '9.0' whether set or detected: one build
     return tuple(parts)
 
 

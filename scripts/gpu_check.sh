@@ -148,7 +148,7 @@ collect() {
                 echo
             }
         done
-        for f in "$LOGS/tests_cuda.log" "$LOGS/tests.log"; do
+        for f in "$LOGS/tests_cuda.log" "$LOGS"/tests_*.part; do
             [ -f "$f" ] && {
                 echo "===== $(basename "$f") (summary) ====="
                 grep -E '^(FAILED|ERROR)' "$f" | head -n 30
@@ -174,7 +174,7 @@ collect() {
         done
     } >"$OUT/summary.txt" 2>/dev/null
     tail_into "$OUT/build.log" 400 "$LOGS/build.log"
-    tail_into "$OUT/tests.log" 400 "$LOGS/tests_cuda.log" "$LOGS/tests.log"
+    tail_into "$OUT/tests.log" 400 "$LOGS/tests_cuda.log" "$LOGS/tests.log" "$LOGS"/tests_*.part
     tail_into "$OUT/bench.log" 300 "$LOGS/ops.log" "$LOGS/gat.log"
     tail_into "$OUT/profile.log" 600 "$LOGS/profile.log"
     for f in "ops_$DEV.md" "gat_$DEV.md" "gat_$DEV.png"; do
@@ -287,7 +287,7 @@ pids=()
 for ((k = 0; k < n; k++)); do
     sel=()
     for ((i = k; i < ${#files[@]}; i += n)); do sel+=("${files[$i]}"); done
-    python3 -m pytest "${sel[@]}" -q -rfEs --durations=8 -p no:cacheprovider \
+    OMP_NUM_THREADS=$(( $(nproc) / n )) python3 -m pytest "${sel[@]}" -q -rfEs --durations=8 -p no:cacheprovider \
         >"'"$LOGS"'/tests_$k.part" 2>&1 &
     pids+=($!)
 done
