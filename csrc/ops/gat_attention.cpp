@@ -3,7 +3,11 @@
 // a = <h, att> as one GEMM, the fused attention kernel (with the bias added
 // in its store). Device-generic: the GEMMs are ATen's, the attention kernels
 // are reached through the dispatcher (so a reference override is honoured).
-// Schema and autograd live in pyg_fastattn/ops/gat.py.
+// The schema lives in pyg_fastattn/ops/gat.py; the autograd kernel is here
+// (C++, so forward and backward cost no Python), with a Python twin in gat.py
+// for builds without this extension.
+#include <torch/autograd.h>
+
 #include <array>
 
 #include "../common.h"
@@ -227,8 +231,134 @@ std::vector<at::Tensor> gat_attention_backward(
           or_empty(g_bias, output_mask[7])};
 }
 
+using Outputs5 =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+Outputs5 call_gat_attention(
+    const at::Tensor& rowptr, const at::Tensor& col, const at::Tensor& colptr,
+    const at::Tensor& csc_row, const at::Tensor& csc_perm,
+    const at::Tensor& csc_inv, const OptTensor& x, const OptTensor& weight,
+    const OptTensor& h_src, const at::Tensor& att_src, const OptTensor& h_dst,
+    const at::Tensor& att_dst, const OptTensor& a_edge, const OptTensor& mask,
+    const OptTensor& bias, double slope, bool dst_is_src) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pyg_fastattn::gat_attention", "")
+          .typed<Outputs5(const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&,
+                          const OptTensor&, const OptTensor&, const OptTensor&,
+                          const at::Tensor&, const OptTensor&,
+                          const at::Tensor&, const OptTensor&,
+                          const OptTensor&, const OptTensor&, double, bool)>();
+  return op.call(rowptr, col, colptr, csc_row, csc_perm, csc_inv, x, weight,
+                 h_src, att_src, h_dst, att_dst, a_edge, mask, bias, slope,
+                 dst_is_src);
+}
+
+std::vector<at::Tensor> call_gat_attention_backward(
+    const at::Tensor& grad_out, const std::vector<at::Tensor>& s, double slope,
+    bool dst_is_src, std::array<bool, 8> output_mask) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pyg_fastattn::gat_attention_backward", "")
+          .typed<decltype(gat_attention_backward)>();
+  auto o = [&](size_t i) { return s[i].defined() ? OptTensor(s[i]) : c10::nullopt; };
+  return op.call(grad_out, s[0], s[1], s[2], s[3], s[4], s[5], o(6), o(7),
+                 s[8], s[9], o(10), s[11], s[12], s[13], o(14), o(15), o(16),
+                 s[17], s[18], slope, dst_is_src, output_mask);
+}
+
+// The differentiable inputs (x, weight, h_src, att_src, h_dst, att_dst,
+// a_edge, bias) by their position among gat_attention's arguments.
+constexpr std::array<int, 8> kGradArgs = {6, 7, 8, 9, 10, 11, 12, 14};
+constexpr int kNumArgs = 17;
+
+class GATAttentionFunction
+    : public torch::autograd::Function<GATAttentionFunction> {
+ public:
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const at::Tensor& rowptr,
+      const at::Tensor& col, const at::Tensor& colptr,
+      const at::Tensor& csc_row, const at::Tensor& csc_perm,
+      const at::Tensor& csc_inv, const OptTensor& x, const OptTensor& weight,
+      const OptTensor& h_src, const at::Tensor& att_src,
+      const OptTensor& h_dst, const at::Tensor& att_dst,
+      const OptTensor& a_edge, const OptTensor& mask, const OptTensor& bias,
+      double slope, bool dst_is_src) {
+    // needs_input_grad counts only the tensors that were passed: the
+    // position of each differentiable argument among them (-1: None).
+    const std::array<bool, kNumArgs> given = {
+        true, true, true, true, true, true, x.has_value(),
+        weight.has_value(), h_src.has_value(), true, h_dst.has_value(), true,
+        a_edge.has_value(), mask.has_value(), bias.has_value(), false, false};
+    std::vector<int64_t> edge(8, -1);
+    for (size_t k = 0; k < kGradArgs.size(); ++k) {
+      if (!given[kGradArgs[k]]) continue;
+      int64_t n = 0;
+      for (int i = 0; i < kGradArgs[k]; ++i) n += given[i];
+      edge[k] = n;
+    }
+    Outputs5 r;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      r = call_gat_attention(rowptr, col, colptr, csc_row, csc_perm, csc_inv,
+                             x, weight, h_src, att_src, h_dst, att_dst, a_edge,
+                             mask, bias, slope, dst_is_src);
+    }
+    auto& [out, lse, h, a_src, a_dst] = r;
+    auto val = [](const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); };
+    ctx->save_for_backward(
+        {rowptr, col, colptr, csc_row, csc_perm, csc_inv, val(x), val(weight),
+         weight.has_value() ? h : val(h_src), att_src, val(h_dst), att_dst,
+         a_src, a_dst, val(a_edge), val(mask), val(bias), out, lse});
+    ctx->saved_data["slope"] = slope;
+    ctx->saved_data["dst_is_src"] = dst_is_src;
+    ctx->saved_data["edge"] = edge;
+    ctx->mark_non_differentiable({lse, h, a_src, a_dst});
+    ctx->set_materialize_grads(false);
+    return {out, lse, h, a_src, a_dst};
+  }
+
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list grads) {
+    torch::autograd::variable_list res(kNumArgs);
+    if (!grads[0].defined()) return res;
+    const auto edge = ctx->saved_data["edge"].toIntVector();
+    std::array<bool, 8> output_mask{};
+    for (size_t k = 0; k < output_mask.size(); ++k)
+      output_mask[k] = edge[k] >= 0 && ctx->needs_input_grad(edge[k]);
+    const auto g = call_gat_attention_backward(
+        grads[0], ctx->get_saved_variables(),
+        ctx->saved_data["slope"].toDouble(),
+        ctx->saved_data["dst_is_src"].toBool(), output_mask);
+    for (size_t k = 0; k < output_mask.size(); ++k)
+      if (output_mask[k] && g[k].sym_numel() != 0) res[kGradArgs[k]] = g[k];
+    return res;
+  }
+};
+
+Outputs5 gat_attention_autograd(
+    const at::Tensor& rowptr, const at::Tensor& col, const at::Tensor& colptr,
+    const at::Tensor& csc_row, const at::Tensor& csc_perm,
+    const at::Tensor& csc_inv, const OptTensor& x, const OptTensor& weight,
+    const OptTensor& h_src, const at::Tensor& att_src, const OptTensor& h_dst,
+    const at::Tensor& att_dst, const OptTensor& a_edge, const OptTensor& mask,
+    const OptTensor& bias, double slope, bool dst_is_src) {
+  auto r = GATAttentionFunction::apply(rowptr, col, colptr, csc_row, csc_perm,
+                                       csc_inv, x, weight, h_src, att_src,
+                                       h_dst, att_dst, a_edge, mask, bias,
+                                       slope, dst_is_src);
+  return {r[0], r[1], r[2], r[3], r[4]};
+}
+
 }  // namespace
 }  // namespace pyg_fastattn
+
+TORCH_LIBRARY_IMPL(pyg_fastattn, Autograd, m) {
+  m.impl("gat_attention", &pyg_fastattn::gat_attention_autograd);
+}
 
 TORCH_LIBRARY_IMPL(pyg_fastattn, CPU, m) {
   m.impl("gat_attention", &pyg_fastattn::gat_attention);

@@ -105,12 +105,21 @@ def _register_autograd(name: str, backward: Callable,
     _lib.impl(name, kernel, 'Autograd', with_keyset=True)
 
 
+# Autograd formulas that the extension also implements in C++: registered
+# from Python only when it is not loaded.
+_python_autograd_fallback: Dict[str, tuple] = {}
+
+
 def register(name: str, *, fake: Callable, backward: Optional[Callable] = None,
-             setup_context: Optional[Callable] = None,
-             autocast: bool = False) -> None:
-    """Fake impl, autograd formula and autocast rule of ``name``."""
+             setup_context: Optional[Callable] = None, autocast: bool = False,
+             native_autograd: bool = False) -> None:
+    """Fake impl, autograd formula and autocast rule of ``name``.
+    ``native_autograd``: csrc/ registers the Autograd kernel; ``backward``
+    is then only the formula of builds without the extension."""
     torch.library.register_fake(f'{NAMESPACE}::{name}', fake, lib=_lib)
-    if backward is not None:
+    if backward is not None and native_autograd:
+        _python_autograd_fallback[name] = (backward, setup_context)
+    elif backward is not None:
         _register_autograd(name, backward, setup_context)
     if autocast:
         _register_autocast(name)
@@ -138,6 +147,9 @@ def install_backends() -> None:
     for key in missing:
         for name, fn in _reference_kernels().items():
             _lib.impl(name, fn, key)
+    if not st.native:
+        for name, (backward, setup_context) in _python_autograd_fallback.items():
+            _register_autograd(name, backward, setup_context)
     _installed = True
 
 

@@ -90,7 +90,8 @@ def _backward(ctx, grad_out, _lse, _h, _a_src, _a_dst):
 
 
 _lib.register('gat_attention', fake=_fake, backward=_backward,
-              setup_context=_setup_context, autocast=True)
+              setup_context=_setup_context, autocast=True,
+              native_autograd=True)
 _lib.register('gat_attention_backward', fake=_fake_backward)
 
 
