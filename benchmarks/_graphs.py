@@ -52,3 +52,46 @@ def randn(shape, device, seed, requires_grad=False, dtype=torch.float32):
 
 def nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def skewed_csr(kind: str, num_rows: int, num_edges: int, device: torch.device,
+               *, s: float = 1.0, seed: int = 0,
+               index_dtype: torch.dtype = torch.long):
+    """Graphs with hubs, built on ``device`` (rows = destinations); columns
+    (sources) uniform in ``[0, num_rows)``. Returns (rowptr, col, row).
+
+    * ``'power'``: each edge's row drawn independently with probability
+      proportional to ``1 / (i + 1) ** s`` (row 0 is the largest hub;
+      s = 1.0 at 1M rows / 20M edges gives a row of about 1.4M edges);
+    * ``'hub'``: all edges in row 0, the other rows empty;
+    * ``'rows20'``: the same number of edges in rows of 20 (the balanced
+      counterpart of ``'hub'``; rows past ``num_edges / 20`` empty).
+    """
+    g = generator(device, seed)
+    N, E = num_rows, num_edges
+    if kind == 'power':
+        w = torch.arange(1, N + 1, device=device, dtype=torch.float64).pow(-s)
+        parts, left = [], E
+        while left > 0:  # multinomial draws at most 2^24 samples per call
+            n = min(left, 1 << 24)
+            parts.append(torch.multinomial(w, n, replacement=True, generator=g))
+            left -= n
+        row = torch.cat(parts).sort().values
+    elif kind == 'hub':
+        row = torch.zeros(E, dtype=torch.long, device=device)
+    elif kind == 'rows20':
+        row = torch.arange(E, device=device) // 20
+        assert int(row[-1]) < N, 'rows20 needs num_rows >= num_edges / 20'
+    else:
+        raise ValueError(kind)
+    counts = torch.bincount(row, minlength=N)
+    rowptr = torch.zeros(N + 1, dtype=torch.long, device=device)
+    rowptr[1:] = counts.cumsum(0)
+    col = torch.randint(N, (E, ), device=device, generator=g)
+    return rowptr.to(index_dtype), col.to(index_dtype), row.to(index_dtype)
+
+
+SKEWED_DOC = ("power law: each edge's destination drawn with weight "
+              "1/(i+1)^s, sources uniform; hub: all edges into node 0; "
+              "rows20: the same edges in rows of 20 (benchmarks/_graphs.py "
+              "skewed_csr)")

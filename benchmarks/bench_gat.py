@@ -37,7 +37,11 @@ Workloads
   ``fwd``    one layer, eval mode, under ``torch.no_grad()``
   ``fwd+bwd`` one layer, train mode, forward then ``torch.autograd.grad`` of
              all parameters with a random upstream gradient.
-             Random graphs (uniform random edges, built on the device).
+             Random graphs (uniform random edges, built on the device),
+             and graphs with hubs (``benchmarks/_graphs.py`` skewed_csr):
+             power law (each edge's destination drawn with weight
+             1/(i+1)^s, s = 0.8 and 1.0, sources uniform), one hub row
+             of 10^6 edges and the same edges in rows of 20.
 
 Measurements: median per-call time after warm-up (CUDA events on GPU);
 ``host_ms`` = median time until the Python call returns (device synchronised
@@ -72,7 +76,7 @@ from typing import Dict, List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _env import (  # noqa: E402
     REPO, env_info, env_lines, loadavg, pick_device, setup_threads)
-from _graphs import generator, randn  # noqa: E402
+from _graphs import SKEWED_DOC, generator, randn, skewed_csr  # noqa: E402
 from _memory import (  # noqa: E402
     free_memory, guarded, peak_memory_mib, resident_mib)
 from _report import fmt, fmt_count, md_table, write_outputs  # noqa: E402
@@ -433,13 +437,30 @@ def epoch_workload(name, dev, args, provs) -> List[dict]:
     return recs
 
 
-def layer_workload(N, E, fin, H, C, mode, dev, args, provs) -> List[dict]:
-    wl = f'layer {fmt_count(N)}/{fmt_count(E)} {fin}->{H}x{C} {mode}'
+def _graph_tag(graph):
+    if graph is None:
+        return ''
+    kind, s_exp = graph
+    return f' power s={s_exp}' if kind == 'power' else f' {kind}'
+
+
+def layer_workload(N, E, fin, H, C, mode, dev, args, provs,
+                   graph=None) -> List[dict]:
+    """graph: None (uniform random edges) or (kind, s) of
+    _graphs.skewed_csr (power law, one hub row, rows of 20)."""
+    wl = (f'layer {fmt_count(N)}/{fmt_count(E)}{_graph_tag(graph)} '
+          f'{fin}->{H}x{C} {mode}')
     base = dict(workload=wl, kind=f'layer {mode}', nodes=N, edges=E,
-                in_channels=fin, heads=H, channels=C)
+                in_channels=fin, heads=H, channels=C,
+                graph=graph[0] if graph else 'uniform')
     recs = []
     gen = generator(dev, 11)
-    ei = torch.randint(N, (2, E), device=dev, generator=gen)
+    if graph is None:
+        ei = torch.randint(N, (2, E), device=dev, generator=gen)
+    else:
+        _, col, row = skewed_csr(graph[0], N, E, dev, s=graph[1], seed=11)
+        ei = torch.stack([col, row])  # source -> destination
+        del col, row
     x = randn((N, fin), dev, 12)
     gout = randn((N, H * C), dev, 13) if mode == 'fwd+bwd' else None
     torch.manual_seed(0)
@@ -571,6 +592,25 @@ def plan(dev, quick: bool):
                       f'layer {N}/{E} {mode}',
                       (lambda provs, a=(N, E, fin, H, C, mode):
                        layer_workload(*a, dev, ARGS, provs))))
+    # Hubs (x requiring grad is the fwd+bwd mode): power-law destinations
+    # at 1M / 20M, and one row of 10^6 edges against the same edges in rows
+    # of 20 (50k nodes).
+    if cuda and not quick:
+        skewed = [(1_000_000, 20_000_000, 128, 4, 32, ('power', 0.8)),
+                  (1_000_000, 20_000_000, 128, 4, 32, ('power', 1.0)),
+                  (50_000, 1_000_000, 128, 4, 32, ('hub', 1.0)),
+                  (50_000, 1_000_000, 128, 4, 32, ('rows20', 1.0))]
+    elif not quick:
+        skewed = [(10_000, 200_000, 64, 4, 16, ('hub', 1.0)),
+                  (10_000, 200_000, 64, 4, 16, ('rows20', 1.0))]
+    else:
+        skewed = []
+    for (N, E, fin, H, C, graph) in skewed:
+        name = (f'layer {fmt_count(N)}/{fmt_count(E)}{_graph_tag(graph)} '
+                f'{fin}->{H}x{C} fwd+bwd')
+        P.append((name, f'layer {N}/{E}{_graph_tag(graph)} fwd+bwd',
+                  (lambda provs, a=(N, E, fin, H, C, 'fwd+bwd', dev, ARGS),
+                   g=graph: layer_workload(*a, provs, graph=g))))
     return P
 
 
@@ -651,6 +691,7 @@ def markdown(meta, records) -> str:
             'time)')
     head = [f'# FastGATConv vs GATConv ({meta["device"]})', '']
     head += [f'- {line}' for line in env_lines(meta)]
+    head += [f'- graphs with hubs: {SKEWED_DOC}']
     head += [f'- command: `{meta["command"]}`',
              f'- providers: {", ".join(meta.get("providers") or [])}', '',
              'Median of per-call times after warm-up '

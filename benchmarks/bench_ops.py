@@ -42,7 +42,8 @@ from typing import Callable, Dict, List, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _env import (  # noqa: E402
     bandwidth, env_info, env_lines, loadavg, pick_device, setup_threads)
-from _graphs import generator, nbytes, randn, random_csr  # noqa: E402
+from _graphs import (  # noqa: E402
+    SKEWED_DOC, generator, nbytes, randn, random_csr, skewed_csr)
 from _memory import free_memory, guarded, peak_memory_mib  # noqa: E402
 from _report import fmt, md_table, write_outputs  # noqa: E402
 from _timing import (  # noqa: E402
@@ -114,9 +115,13 @@ def _ours(fn):
 # workloads
 # ----------------------------------------------------------------------------
 def edge_softmax_cases(dev, N, H, deg=None, deg_range=None, seed=False,
-                       target=None, idx=torch.long):
-    rowptr, col, row = random_csr(N, dev, deg=deg, deg_range=deg_range,
-                                  seed=1, index_dtype=idx)
+                       target=None, idx=torch.long, graph=None):
+    if graph is not None:  # (kind, num_edges, s): see _graphs.skewed_csr
+        rowptr, col, row = skewed_csr(graph[0], N, graph[1], dev, s=graph[2],
+                                      seed=1, index_dtype=idx)
+    else:
+        rowptr, col, row = random_csr(N, dev, deg=deg, deg_range=deg_range,
+                                      seed=1, index_dtype=idx)
     row64, ptr64 = row.long(), rowptr.long()
     E = col.numel()
     s = randn((E, H), dev, 2, requires_grad=True)
@@ -126,7 +131,7 @@ def edge_softmax_cases(dev, N, H, deg=None, deg_range=None, seed=False,
         'pyg-ptr': lambda: pyg_softmax(s, ptr=ptr64),
         'pyg-index': lambda: pyg_softmax(s, index=row64, num_nodes=N),
     }
-    d = f'deg {deg}' if deg else f'deg {deg_range[0]}-{deg_range[1]}'
+    d = _graph_label(graph, deg, deg_range)
     size = f'{N:,} rows x {d} x {H}h (E={E:,})'
     fl = (2 * nbytes(s) + nbytes(rowptr), 4 * nbytes(s) + nbytes(rowptr))
     return _both('edge_softmax', size, impls, 'pyg-ptr', [s], g, fl, fl, seed,
@@ -155,9 +160,15 @@ def sddmm_cases(dev, N, E, C, seed=False, target=None, idx=torch.long):
                  {'fwd': target}, dict(N=N, E=E, C=C))
 
 
-def _aggregate_data(dev, N, deg, H, C, deg_range=None, idx=torch.long):
-    rowptr, col, row = random_csr(N, dev, deg=deg, deg_range=deg_range,
-                                  seed=7, index_dtype=idx)
+def _aggregate_data(dev, N, deg, H, C, deg_range=None, idx=torch.long,
+                    graph=None):
+    if graph is not None:  # (kind, num_edges, s): see _graphs.skewed_csr
+        kind, E, s_exp = graph
+        rowptr, col, row = skewed_csr(kind, N, E, dev, s=s_exp, seed=7,
+                                      index_dtype=idx)
+    else:
+        rowptr, col, row = random_csr(N, dev, deg=deg, deg_range=deg_range,
+                                      seed=7, index_dtype=idx)
     E = col.numel()
     s = randn((E, H), dev, 8, requires_grad=True)
     v = randn((N, H, C), dev, 9, requires_grad=True)
@@ -178,10 +189,17 @@ def _aggregate_bytes(rowptr, col, s, v, g):
     return (fwd_floor, fb_floor), (fwd_gather, fb_gather)
 
 
+def _graph_label(graph, deg, deg_range):
+    if graph is not None:
+        kind, _, s_exp = graph
+        return f'power law s={s_exp}' if kind == 'power' else kind
+    return f'deg {deg}' if deg else f'deg {deg_range[0]}-{deg_range[1]}'
+
+
 def softmax_aggregate_cases(dev, N, deg, H, C, seed=False, targets=None,
-                            deg_range=None, idx=torch.long):
+                            deg_range=None, idx=torch.long, graph=None):
     rowptr, col, row, E, s, v, g, csc = _aggregate_data(dev, N, deg, H, C,
-                                                        deg_range, idx)
+                                                        deg_range, idx, graph)
     row64, col64, ptr64 = row.long(), col.long(), rowptr.long()
 
     def pyg():
@@ -200,16 +218,17 @@ def softmax_aggregate_cases(dev, N, deg, H, C, seed=False, targets=None,
         'pyg': pyg,
         'pyg-ptr+index_add': ptr_index_add,
     }
-    d = f'deg {deg}' if deg else f'deg {deg_range[0]}-{deg_range[1]}'
+    d = _graph_label(graph, deg, deg_range)
     size = f'{N:,} rows x {d} x {H}h x {C}c (E={E:,})'
     fl, ga = _aggregate_bytes(rowptr, col, s, v, g)
     return _both('softmax_aggregate', size, impls, 'pyg', [s, v], g, fl, ga,
                  seed, targets, dict(N=N, E=E, H=H, C=C))
 
 
-def spmm_cases(dev, N, deg, H, C, seed=False, sparse=False, idx=torch.long):
+def spmm_cases(dev, N, deg, H, C, seed=False, sparse=False, idx=torch.long,
+               graph=None):
     rowptr, col, row, E, w, v, g, csc = _aggregate_data(dev, N, deg, H, C,
-                                                        None, idx)
+                                                        None, idx, graph)
     row64, col64, ptr64 = row.long(), col.long(), rowptr.long()
 
     def pyg():
@@ -233,7 +252,7 @@ def spmm_cases(dev, N, deg, H, C, seed=False, sparse=False, idx=torch.long):
             A = torch.sparse_csr_tensor(ptr64, col64, w.view(-1), (N, N))
             return (A @ v.view(N, C)).view(N, 1, C)
         impls['torch.sparse-csr'] = sp
-    size = f'{N:,} rows x deg {deg} x {H}h x {C}c (E={E:,})'
+    size = f'{N:,} rows x {_graph_label(graph, deg, None)} x {H}h x {C}c (E={E:,})'
     fl, ga = _aggregate_bytes(rowptr, col, w, v, g)
     return _both('spmm', size, impls, 'pyg', [w, v], g, fl, ga, seed, None,
                  dict(N=N, E=E, H=H, C=C), fwd_only=('torch.sparse-csr', ))
@@ -262,6 +281,25 @@ def plan(dev, quick: bool):
             ('spmm', lambda: spmm_cases(dev, 1_000_000, 20, 8, 16)),
             ('spmm', lambda: spmm_cases(dev, 1_000_000, 20, 1, 128, sparse=True)),
         ]
+        # Hubs (SKEWED): one row of 10^6 edges against the same edges in rows
+        # of 20, and the power-law graphs of 1M rows / 20M edges.
+        for kind in ('hub', 'rows20'):
+            P += [
+                ('softmax_aggregate', lambda kind=kind: softmax_aggregate_cases(
+                    dev, 50_000, None, 8, 16, graph=(kind, 1_000_000, 1.0))),
+                ('edge_softmax', lambda kind=kind: edge_softmax_cases(
+                    dev, 50_000, 8, graph=(kind, 1_000_000, 1.0))),
+                ('spmm', lambda kind=kind: spmm_cases(
+                    dev, 50_000, None, 8, 16, graph=(kind, 1_000_000, 1.0))),
+            ]
+        for s_exp in (0.8, 1.0):
+            P += [
+                ('softmax_aggregate', lambda s_exp=s_exp: softmax_aggregate_cases(
+                    dev, 1_000_000, None, 8, 16,
+                    graph=('power', 20_000_000, s_exp))),
+                ('edge_softmax', lambda s_exp=s_exp: edge_softmax_cases(
+                    dev, 1_000_000, 8, graph=('power', 20_000_000, s_exp))),
+            ]
     elif cuda:  # quick
         P += [
             ('edge_softmax', lambda: edge_softmax_cases(dev, 100_000, 8, deg=20)),
@@ -271,6 +309,11 @@ def plan(dev, quick: bool):
         ]
     elif not quick:
         P += [
+            # CPU hub row vs balanced rows (SKEWED), target: within 4x.
+            ('softmax_aggregate', lambda: softmax_aggregate_cases(
+                dev, 10_000, None, 4, 16, graph=('hub', 200_000, 1.0))),
+            ('softmax_aggregate', lambda: softmax_aggregate_cases(
+                dev, 10_000, None, 4, 16, graph=('rows20', 200_000, 1.0))),
             ('edge_softmax', lambda: edge_softmax_cases(dev, 100_000, 4, deg=10)),
             ('sddmm', lambda: sddmm_cases(dev, 100_000, 1_000_000, 64)),
             ('softmax_aggregate', lambda: softmax_aggregate_cases(dev, 100_000, 10, 4, 16)),
@@ -442,7 +485,8 @@ def markdown(meta, records, baselines, args) -> str:
             ('rel err', 'err'), ('target', 'target')]
     head = [f'# pyg_fastattn op benchmark ({meta["device"]})', '']
     head += [f'- {line}' for line in env_lines(meta)]
-    head += [f'- command: `{meta["command"]}`', '',
+    head += [f'- command: `{meta["command"]}`',
+             f'- graphs: uniform random degrees (deg), or {SKEWED_DOC}', '',
              'Median of per-call times ('
              + ('CUDA events' if meta['device'] == 'cuda' else 'perf_counter')
              + ') after warm-up; speedup = baseline / ours; "vs best" = fastest '
@@ -485,6 +529,7 @@ def main(argv=None):
     meta['bw_ref_gbs'] = bw_ref
     for line in env_lines(meta):
         print(line, flush=True)
+    print(f'graphs: uniform random degrees (deg), or {SKEWED_DOC}', flush=True)
     if ops is None:
         print(f'WARNING: pyg_fastattn.ops unavailable: {_OPS_ERR}', flush=True)
     elif meta.get('backend') != 'native':

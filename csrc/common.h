@@ -5,6 +5,8 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -59,6 +61,39 @@ std::string msg(const Args&... args) {
   AT_DISPATCH_INDEX_TYPES(TYPE, NAME, __VA_ARGS__)
 
 namespace pyg_fastattn {
+
+// ---------------------------------------------------------------------------
+// Tuning constants.
+//
+// Edge-balanced scheduling of long rows (CPU and CUDA, every CSR / CSC row
+// kernel): a row (or CSC column) with more than kSplitEdges edges is cut into
+// chunks of kSplitChunk edges, each processed by its own worker (a CUDA block,
+// a CPU task) into a partial result (softmax max / sum, accumulator); the
+// partials of a row are combined in chunk order (deterministic, no atomics).
+// On CUDA the chunks are the global edge windows [w * chunk, (w + 1) * chunk)
+// clipped to the row. Shorter rows keep the row-per-warp / block kernels.
+constexpr int64_t kSplitEdges = 16384;
+constexpr int64_t kSplitChunk = 2048;
+
+struct SplitPlan {
+  int64_t split;  // rows with more edges than this are split (>= chunk)
+  int64_t chunk;  // edges per chunk
+};
+
+// The plan of one launch. PYG_FASTATTN_SPLIT_EDGES=n (tests) sets the
+// threshold to n and the chunk to max(1, min(kSplitChunk, n / 2)), so that
+// small graphs take the split path; read at every launch.
+inline SplitPlan split_plan() {
+  SplitPlan p{kSplitEdges, kSplitChunk};
+  if (const char* env = std::getenv("PYG_FASTATTN_SPLIT_EDGES")) {
+    const long long n = std::atoll(env);
+    if (n > 0) {
+      p.split = n;
+      p.chunk = std::max<int64_t>(1, std::min<int64_t>(kSplitChunk, n / 2));
+    }
+  }
+  return p;
+}
 
 // Accumulation type: float for half/bfloat16/float, double for double.
 inline at::ScalarType opmath_type(at::ScalarType t) {

@@ -59,6 +59,8 @@ Scores<scalar_t> make_scores(const Inputs& in, double slope) {
 // (parallel_rows). Per row, pass 1 gets each head's max m of s; pass 2 sums
 // exp(s - m) and exp(s - m) * mask * values[j] (in a local [H, C] buffer),
 // which are divided at the end: one exp per edge and head, no division.
+// Rows over the split threshold (split_rows) are cut into fixed chunks, one
+// partial each, combined per row in chunk order.
 std::tuple<at::Tensor, at::Tensor> attention_cpu(
     const at::Tensor& rowptr_, const at::Tensor& col_,
     const c10::optional<at::Tensor>& a_src_, const c10::optional<at::Tensor>& a_dst_,
@@ -90,46 +92,88 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
       const scalar_t* bs = cpu::data_or_null<scalar_t>(bias);
       scalar_t* o = out.data_ptr<scalar_t>();
       acc_t* l = lse.data_ptr<acc_t>();
+      // Edges [b, e) of row i: m[h] = max of s (-inf if none), den[h] =
+      // sum exp(s - mz), acc[h] = sum exp(s - mz) * mask * values[j] with
+      // mz = m, or 0 where m is -inf (exps are then 0, or NaN).
+      auto segment = [&](int64_t i, int64_t b, int64_t e, acc_t* acc,
+                         acc_t* m, acc_t* den, acc_t* z, acc_t* s) {
+        std::fill(m, m + H, -inf);
+        for (int64_t k = b; k < e; ++k) {  // pass 1: max of s per head
+          const int64_t j = cl[k];
+          if (j < 0 || j >= Ns) continue;
+          scores(i, j, k, z, s);
+          for (int64_t h = 0; h < H; ++h) m[h] = std::max(m[h], s[h]);
+        }
+        std::fill(den, den + H, acc_t(0));
+        std::fill(acc, acc + HC, acc_t(0));
+        for (int64_t k = b; k < e; ++k) {  // pass 2: unnormalized sums
+          const int64_t j = cl[k];
+          cpu::prefetch_ahead(cl, k, E, v, Ns, HC);
+          if (j < 0 || j >= Ns) continue;
+          scores(i, j, k, z, s);
+          for (int64_t h = 0; h < H; ++h) {
+            const acc_t mz = m[h] == -inf ? acc_t(0) : m[h];
+            const acc_t ex = std::exp(s[h] - mz);  // NaN (or two +inf) make den NaN
+            den[h] += ex;
+            const acc_t p = mask ? ex * acc_t(mask[k * H + h]) : ex;
+            const scalar_t* vj = v + j * HC + h * C;
+            acc_t* a = acc + h * C;
+            for (int64_t c = 0; c < C; ++c) a[c] += p * acc_t(vj[c]);
+          }
+        }
+      };
+      // out = acc / den (+ bias), lse = log(den) + mz.
+      auto finish = [&](int64_t i, const acc_t* acc, const acc_t* m,
+                        const acc_t* den) {
+        for (int64_t h = 0; h < H; ++h) {  // den == 0: all weights 0, keep acc
+          l[i * H + h] = std::log(den[h]) + (m[h] == -inf ? acc_t(0) : m[h]);
+          const acc_t d = den[h] == 0 ? acc_t(1) : den[h];
+          for (int64_t c = 0; c < C; ++c) {
+            const acc_t r = acc[h * C + c] / d;
+            o[i * HC + h * C + c] = scalar_t(bs ? r + acc_t(bs[h * C + c]) : r);
+          }
+        }
+      };
+      const cpu::SplitRows sp = cpu::split_rows(rp, N, E);
       cpu::parallel_rows(rp, N, E, HC, [&](int64_t r0, int64_t r1) {
         std::vector<acc_t> buf(HC + 4 * H);
         acc_t *acc = buf.data(), *m = acc + HC, *den = m + H, *z = den + H,
               *s = z + H;
         for (int64_t i = r0; i < r1; ++i) {
           const auto [b, e] = cpu::row_range(rp, i, E);
-          std::fill(m, m + H, -inf);
-          for (int64_t k = b; k < e; ++k) {  // pass 1: max of s per head
-            const int64_t j = cl[k];
-            if (j < 0 || j >= Ns) continue;
-            scores(i, j, k, z, s);
-            for (int64_t h = 0; h < H; ++h) m[h] = std::max(m[h], s[h]);
-          }
-          for (int64_t h = 0; h < H; ++h)  // empty or all -inf: exps are 0
-            if (m[h] == -inf) m[h] = 0;
-          std::fill(den, den + H, acc_t(0));
-          std::fill(acc, acc + HC, acc_t(0));
-          for (int64_t k = b; k < e; ++k) {  // pass 2: unnormalized sums
-            const int64_t j = cl[k];
-            cpu::prefetch_ahead(cl, k, E, v, Ns, HC);
-            if (j < 0 || j >= Ns) continue;
-            scores(i, j, k, z, s);
-            for (int64_t h = 0; h < H; ++h) {
-              const acc_t ex = std::exp(s[h] - m[h]);  // NaN (or two +inf) make den NaN
-              den[h] += ex;
-              const acc_t p = mask ? ex * acc_t(mask[k * H + h]) : ex;
-              const scalar_t* vj = v + j * HC + h * C;
-              acc_t* a = acc + h * C;
-              for (int64_t c = 0; c < C; ++c) a[c] += p * acc_t(vj[c]);
-            }
-          }
-          for (int64_t h = 0; h < H; ++h) {  // den == 0: all weights 0, keep acc
-            l[i * H + h] = std::log(den[h]) + m[h];
-            const acc_t d = den[h] == 0 ? acc_t(1) : den[h];
-            for (int64_t c = 0; c < C; ++c) {
-              const acc_t r = acc[h * C + c] / d;
-              o[i * HC + h * C + c] = scalar_t(bs ? r + acc_t(bs[h * C + c]) : r);
-            }
+          if (sp.is_long(b, e)) continue;  // split below
+          segment(i, b, e, acc, m, den, z, s);
+          finish(i, acc, m, den);
+        }
+      });
+      // Long rows: one partial {acc, m, den} per chunk, then per row the
+      // partials rescaled to the row's max and summed in chunk order.
+      const int64_t P = HC + 2 * H;
+      std::vector<acc_t> part(sp.chunks() * P);
+      cpu::parallel_chunks(sp, rp, E, [&](int64_t, int64_t i, int64_t b,
+                                           int64_t e, int64_t q) {
+        std::vector<acc_t> zs(2 * H);
+        acc_t* p = part.data() + q * P;
+        segment(i, b, e, p, p + HC, p + HC + H, zs.data(), zs.data() + H);
+      });
+      cpu::parallel_long_rows(sp, [&](int64_t k, int64_t i) {
+        std::vector<acc_t> buf(HC + 2 * H, acc_t(0));
+        acc_t *acc = buf.data(), *m = acc + HC, *den = m + H;
+        std::fill(m, m + H, -inf);
+        for (int64_t q = sp.first[k]; q < sp.first[k + 1]; ++q)
+          for (int64_t h = 0; h < H; ++h)
+            m[h] = std::max(m[h], part[q * P + HC + h]);
+        for (int64_t q = sp.first[k]; q < sp.first[k + 1]; ++q) {
+          const acc_t* p = part.data() + q * P;
+          for (int64_t h = 0; h < H; ++h) {
+            // A chunk without a finite max adds 0 (or its NaN).
+            const acc_t mq = p[HC + h];
+            const acc_t f = mq == -inf ? acc_t(0) : std::exp(mq - m[h]);
+            den[h] += f * p[HC + H + h];
+            for (int64_t c = 0; c < C; ++c) acc[h * C + c] += f * p[h * C + c];
           }
         }
+        finish(i, acc, m, den);
       });
     });
   });
@@ -146,7 +190,9 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
 // and grad_z is written at CSC position k (in order; CSR position e with
 // grad_z_csr). The random rows of entry k + 8 (grad_out, the packed terms,
 // mask / a_edge) are prefetched: the pass is bound by their latency. Each
-// output has one writer, so the result does not depend on the thread count.
+// output has one writer, so the result does not depend on the thread count;
+// columns over the split threshold are cut into fixed chunks whose partial
+// sums are added in chunk order.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
     const at::Tensor& rowptr_, const at::Tensor& col_, const at::Tensor& colptr_,
     const at::Tensor& row_, const at::Tensor& perm_,
@@ -205,51 +251,76 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
         }
       });
       const scalar_t* per_edge = mask ? mask : a_edge;  // one to prefetch
+      // CSC entries [b, end) of column j: writes their grad_z and adds
+      // their grad_values / grad_a_src terms to acc [H, C] / gsrc [H].
+      auto segment = [&](int64_t j, int64_t b, int64_t end, acc_t* acc,
+                         acc_t* gsrc) {
+        const scalar_t* vj = v + j * HC;
+        for (int64_t k = b; k < end; ++k) {
+          const int64_t i = rw[k], e = pm[k];
+          cpu::prefetch_ahead(rw, k, E, go, N, HC);
+          cpu::prefetch_ahead(rw, k, E, ri, N, 4 * H);
+          if (per_edge) cpu::prefetch_ahead(pm, k, E, per_edge, E, H);
+          scalar_t* gz_k = gz_ptr + (grad_z_csr ? e : k) * H;
+          if (i < 0 || i >= N || e < 0 || e >= E) {
+            if (!grad_z_csr) std::fill(gz_k, gz_k + H, scalar_t(0));
+            continue;
+          }
+          const scalar_t* go_i = go + i * HC;
+          const acc_t* r_i = ri + i * H * 4;
+          for (int64_t h = 0; h < H; ++h) {
+            const acc_t lse_ih = r_i[4 * h + 1];
+            if (!std::isfinite(lse_ih)) {  // the row has no weight
+              gz_k[h] = scalar_t(0);
+              continue;
+            }
+            acc_t z = 0;  // the reference's order: a_src + a_dst + a_edge
+            if (a_src) z += acc_t(a_src[j * H + h]);
+            z += r_i[4 * h];
+            if (a_edge) z += acc_t(a_edge[e * H + h]);
+            const acc_t alpha = std::exp(cpu::leaky(z, slope) - lse_ih);
+            const acc_t mk = mask ? acc_t(mask[e * H + h]) : acc_t(1);
+            const scalar_t* g = go_i + h * C;
+            const acc_t grad_s =
+                alpha * (mk * cpu::dot(g, vj + h * C, C) - r_i[4 * h + 2]);
+            const acc_t gz = cpu::leaky_grad(z, slope, grad_s);
+            gz_k[h] = scalar_t(gz);
+            gsrc[h] += gz;
+            const acc_t p = alpha * mk;
+            acc_t* a = acc + h * C;
+            for (int64_t c = 0; c < C; ++c) a[c] += p * acc_t(g[c]);
+          }
+        }
+      };
+      auto store = [&](int64_t j, const acc_t* acc, const acc_t* gsrc) {
+        for (int64_t q = 0; q < HC; ++q) gv_ptr[j * HC + q] = scalar_t(acc[q]);
+        for (int64_t h = 0; h < H; ++h) gs_ptr[j * H + h] = scalar_t(gsrc[h]);
+      };
+      const cpu::SplitRows sp = cpu::split_rows(cp, Ns, E);
       cpu::parallel_rows(cp, Ns, E, HC, [&](int64_t j0, int64_t j1) {
         std::vector<acc_t> buf(HC + H);
         acc_t *acc = buf.data(), *gsrc = acc + HC;
         for (int64_t j = j0; j < j1; ++j) {
           const auto [b, end] = cpu::row_range(cp, j, E);
+          if (sp.is_long(b, end)) continue;  // split below
           std::fill(acc, acc + HC + H, acc_t(0));
-          const scalar_t* vj = v + j * HC;
-          for (int64_t k = b; k < end; ++k) {
-            const int64_t i = rw[k], e = pm[k];
-            cpu::prefetch_ahead(rw, k, E, go, N, HC);
-            cpu::prefetch_ahead(rw, k, E, ri, N, 4 * H);
-            if (per_edge) cpu::prefetch_ahead(pm, k, E, per_edge, E, H);
-            scalar_t* gz_k = gz_ptr + (grad_z_csr ? e : k) * H;
-            if (i < 0 || i >= N || e < 0 || e >= E) {
-              if (!grad_z_csr) std::fill(gz_k, gz_k + H, scalar_t(0));
-              continue;
-            }
-            const scalar_t* go_i = go + i * HC;
-            const acc_t* r_i = ri + i * H * 4;
-            for (int64_t h = 0; h < H; ++h) {
-              const acc_t lse_ih = r_i[4 * h + 1];
-              if (!std::isfinite(lse_ih)) {  // the row has no weight
-                gz_k[h] = scalar_t(0);
-                continue;
-              }
-              acc_t z = 0;  // the reference's order: a_src + a_dst + a_edge
-              if (a_src) z += acc_t(a_src[j * H + h]);
-              z += r_i[4 * h];
-              if (a_edge) z += acc_t(a_edge[e * H + h]);
-              const acc_t alpha = std::exp(cpu::leaky(z, slope) - lse_ih);
-              const acc_t mk = mask ? acc_t(mask[e * H + h]) : acc_t(1);
-              const scalar_t* g = go_i + h * C;
-              const acc_t grad_s =
-                  alpha * (mk * cpu::dot(g, vj + h * C, C) - r_i[4 * h + 2]);
-              const acc_t gz = cpu::leaky_grad(z, slope, grad_s);
-              gz_k[h] = scalar_t(gz);
-              gsrc[h] += gz;
-              const acc_t p = alpha * mk;
-              acc_t* a = acc + h * C;
-              for (int64_t c = 0; c < C; ++c) a[c] += p * acc_t(g[c]);
-            }
-          }
-          for (int64_t q = 0; q < HC; ++q) gv_ptr[j * HC + q] = scalar_t(acc[q]);
-          for (int64_t h = 0; h < H; ++h) gs_ptr[j * H + h] = scalar_t(gsrc[h]);
+          segment(j, b, end, acc, gsrc);
+          store(j, acc, gsrc);
         }
+      });
+      // Long columns: one partial {acc, gsrc} per chunk, summed in order.
+      const int64_t P = HC + H;
+      std::vector<acc_t> part(sp.chunks() * P, acc_t(0));
+      cpu::parallel_chunks(sp, cp, E, [&](int64_t, int64_t j, int64_t b,
+                                           int64_t end, int64_t q) {
+        acc_t* p = part.data() + q * P;
+        segment(j, b, end, p, p + HC);
+      });
+      cpu::parallel_long_rows(sp, [&](int64_t k, int64_t j) {
+        std::vector<acc_t> buf(P, acc_t(0));
+        for (int64_t q = sp.first[k]; q < sp.first[k + 1]; ++q)
+          for (int64_t x = 0; x < P; ++x) buf[x] += part[q * P + x];
+        store(j, buf.data(), buf.data() + HC);
       });
     });
   });

@@ -8,6 +8,8 @@ namespace {
 
 // Rows are split over threads in chunks of balanced edge counts
 // (parallel_rows); each row accumulates its [H, C] output in a local buffer.
+// Rows over the split threshold (split_rows) are cut into fixed chunks whose
+// partial sums are added in chunk order.
 at::Tensor spmm_cpu(const at::Tensor& rowptr_, const at::Tensor& col_,
                     const c10::optional<at::Tensor>& weight_,
                     const c10::optional<at::Tensor>& weight_perm_,
@@ -33,30 +35,47 @@ at::Tensor spmm_cpu(const at::Tensor& rowptr_, const at::Tensor& col_,
       const scalar_t* w = cpu::data_or_null<scalar_t>(weight);
       const scalar_t* v = values.const_data_ptr<scalar_t>();
       scalar_t* o = out.data_ptr<scalar_t>();
+      // acc [H, C] += the terms of edges [b, e).
+      auto segment = [&](int64_t b, int64_t e, acc_t* acc) {
+        for (int64_t k = b; k < e; ++k) {
+          const int64_t j = cl[k];
+          if (j < 0 || j >= Ns) continue;
+          const scalar_t* vj = v + j * HC;
+          if (w == nullptr) {
+            for (int64_t x = 0; x < HC; ++x) acc[x] += acc_t(vj[x]);
+            continue;
+          }
+          const int64_t wk = wp ? int64_t(wp[k]) : k;
+          if (wk < 0 || wk >= Ew) continue;
+          for (int64_t h = 0; h < H; ++h) {
+            const acc_t wh = w[wk * H + h];
+            acc_t* a = acc + h * C;
+            const scalar_t* vh = vj + h * C;
+            for (int64_t c = 0; c < C; ++c) a[c] += acc_t(vh[c]) * wh;
+          }
+        }
+      };
+      const cpu::SplitRows sp = cpu::split_rows(rp, N, E);
       cpu::parallel_rows(rp, N, E, HC, [&](int64_t r0, int64_t r1) {
         std::vector<acc_t> acc(HC);
         for (int64_t i = r0; i < r1; ++i) {
           const auto [b, e] = cpu::row_range(rp, i, E);
+          if (sp.is_long(b, e)) continue;  // split below
           std::fill(acc.begin(), acc.end(), acc_t(0));
-          for (int64_t k = b; k < e; ++k) {
-            const int64_t j = cl[k];
-            if (j < 0 || j >= Ns) continue;
-            const scalar_t* vj = v + j * HC;
-            if (w == nullptr) {
-              for (int64_t x = 0; x < HC; ++x) acc[x] += acc_t(vj[x]);
-              continue;
-            }
-            const int64_t wk = wp ? int64_t(wp[k]) : k;
-            if (wk < 0 || wk >= Ew) continue;
-            for (int64_t h = 0; h < H; ++h) {
-              const acc_t wh = w[wk * H + h];
-              acc_t* a = acc.data() + h * C;
-              const scalar_t* vh = vj + h * C;
-              for (int64_t c = 0; c < C; ++c) a[c] += acc_t(vh[c]) * wh;
-            }
-          }
+          segment(b, e, acc.data());
           for (int64_t x = 0; x < HC; ++x) o[i * HC + x] = scalar_t(acc[x]);
         }
+      });
+      std::vector<acc_t> part(sp.chunks() * HC, acc_t(0));
+      cpu::parallel_chunks(sp, rp, E, [&](int64_t, int64_t, int64_t b,
+                                           int64_t e, int64_t q) {
+        segment(b, e, part.data() + q * HC);
+      });
+      cpu::parallel_long_rows(sp, [&](int64_t k, int64_t i) {
+        std::vector<acc_t> acc(HC, acc_t(0));
+        for (int64_t q = sp.first[k]; q < sp.first[k + 1]; ++q)
+          for (int64_t x = 0; x < HC; ++x) acc[x] += part[q * HC + x];
+        for (int64_t x = 0; x < HC; ++x) o[i * HC + x] = scalar_t(acc[x]);
       });
     });
   });
@@ -80,19 +99,35 @@ at::Tensor segment_sum_cpu(const at::Tensor& rowptr_,
       const index_t* pm = cpu::data_or_null<index_t>(perm);
       const scalar_t* s = src.const_data_ptr<scalar_t>();
       scalar_t* o = out.data_ptr<scalar_t>();
+      auto segment = [&](int64_t b, int64_t e, acc_t* acc) {
+        for (int64_t k = b; k < e; ++k) {
+          const int64_t j = pm ? int64_t(pm[k]) : k;
+          if (pm) cpu::prefetch_ahead(pm, k, E, s, Es, H);  // random rows
+          if (j < 0 || j >= Es) continue;
+          for (int64_t h = 0; h < H; ++h) acc[h] += acc_t(s[j * H + h]);
+        }
+      };
+      const cpu::SplitRows sp = cpu::split_rows(rp, N, E);
       cpu::parallel_rows(rp, N, E, H, [&](int64_t r0, int64_t r1) {
         std::vector<acc_t> acc(H);
         for (int64_t i = r0; i < r1; ++i) {
           const auto [b, e] = cpu::row_range(rp, i, E);
+          if (sp.is_long(b, e)) continue;  // split below
           std::fill(acc.begin(), acc.end(), acc_t(0));
-          for (int64_t k = b; k < e; ++k) {
-            const int64_t j = pm ? int64_t(pm[k]) : k;
-            if (pm) cpu::prefetch_ahead(pm, k, E, s, Es, H);  // random rows
-            if (j < 0 || j >= Es) continue;
-            for (int64_t h = 0; h < H; ++h) acc[h] += acc_t(s[j * H + h]);
-          }
+          segment(b, e, acc.data());
           for (int64_t h = 0; h < H; ++h) o[i * H + h] = scalar_t(acc[h]);
         }
+      });
+      std::vector<acc_t> part(sp.chunks() * H, acc_t(0));
+      cpu::parallel_chunks(sp, rp, E, [&](int64_t, int64_t, int64_t b,
+                                           int64_t e, int64_t q) {
+        segment(b, e, part.data() + q * H);
+      });
+      cpu::parallel_long_rows(sp, [&](int64_t k, int64_t i) {
+        std::vector<acc_t> acc(H, acc_t(0));
+        for (int64_t q = sp.first[k]; q < sp.first[k + 1]; ++q)
+          for (int64_t h = 0; h < H; ++h) acc[h] += part[q * H + h];
+        for (int64_t h = 0; h < H; ++h) o[i * H + h] = scalar_t(acc[h]);
       });
     });
   });

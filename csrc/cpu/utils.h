@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <utility>
+#include <vector>
 
 #include "../common.h"
 
@@ -64,6 +65,66 @@ void parallel_rows(const index_t* rowptr, int64_t N, int64_t E,
       const int64_t r1 = first_row(std::min(total, (c + 1) * chunk));
       if (r0 < r1) f(r0, r1);
     }
+  });
+}
+
+// Long rows of a CSR (or CSC) and their chunks (split_plan() in common.h):
+// rows with more than `split` edges, in increasing order, and for long row k
+// the chunks first[k] .. first[k + 1] - 1, chunk q of the row being edges
+// [b + q * chunk, min(b + (q + 1) * chunk, e)). The row kernels skip long
+// rows; an op computes one partial per chunk (parallel_chunks) and combines
+// each row's partials in chunk order, so the result does not depend on the
+// thread count.
+struct SplitRows {
+  int64_t split = 0, chunk = 1;
+  std::vector<int64_t> row;    // long rows
+  std::vector<int64_t> first;  // [row.size() + 1]
+  bool is_long(int64_t b, int64_t e) const { return e - b > split; }
+  int64_t rows() const { return static_cast<int64_t>(row.size()); }
+  int64_t chunks() const { return first.back(); }
+};
+
+template <typename index_t>
+SplitRows split_rows(const index_t* rowptr, int64_t N, int64_t E) {
+  const SplitPlan plan = split_plan();
+  SplitRows s;
+  s.split = plan.split;
+  s.chunk = plan.chunk;
+  s.first.push_back(0);
+  if (E <= s.split) return s;  // no row can be long
+  for (int64_t r = 0; r < N; ++r) {
+    const auto [b, e] = row_range(rowptr, r, E);
+    if (!s.is_long(b, e)) continue;
+    s.row.push_back(r);
+    s.first.push_back(s.first.back() + (e - b + s.chunk - 1) / s.chunk);
+  }
+  return s;
+}
+
+// Runs f(k, r, cb, ce, q) for every chunk q (global index) of long row k
+// (row r), edges [cb, ce), in parallel over the chunks.
+template <typename index_t, typename F>
+void parallel_chunks(const SplitRows& s, const index_t* rowptr, int64_t E,
+                     const F& f) {
+  if (s.chunks() == 0) return;
+  at::parallel_for(0, s.chunks(), 1, [&](int64_t q0, int64_t q1) {
+    for (int64_t q = q0; q < q1; ++q) {
+      const int64_t k =
+          std::upper_bound(s.first.begin(), s.first.end(), q) - s.first.begin() - 1;
+      const int64_t r = s.row[k];
+      const auto [b, e] = row_range(rowptr, r, E);
+      const int64_t cb = b + (q - s.first[k]) * s.chunk;
+      f(k, r, cb, std::min(e, cb + s.chunk), q);
+    }
+  });
+}
+
+// Runs f(k, r) for every long row k (row r), in parallel.
+template <typename F>
+void parallel_long_rows(const SplitRows& s, const F& f) {
+  if (s.rows() == 0) return;
+  at::parallel_for(0, s.rows(), 1, [&](int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) f(k, s.row[k]);
   });
 }
 

@@ -201,6 +201,21 @@ __device__ __forceinline__ void store_units(const LaneTile<KHQ>& T,
   }
 }
 
+// Edge slot 0 stores the row's units in the accumulation type (partials of
+// the split path): part_row = part + slot * D.
+template <int V, int KHQ, typename A>
+__device__ __forceinline__ void store_partial(const LaneTile<KHQ>& T,
+                                              const A (&acc)[KHQ][V],
+                                              A* __restrict__ part_row) {
+  if (T.es != 0) return;
+#pragma unroll
+  for (int kh = 0; kh < KHQ; ++kh) {
+    if (!T.uok[kh]) continue;
+#pragma unroll
+    for (int v = 0; v < V; ++v) part_row[T.uoff[kh] + v] = acc[kh][v];
+  }
+}
+
 // Rows with more edges than this are processed by all warps of a block
 // together (a 10^6-edge row would otherwise keep one warp busy for long).
 constexpr int64_t kCoopEdges = 256;
@@ -218,17 +233,20 @@ inline int64_t coop_edges(int64_t rows, int n_tiles) {
 // block, nranks = kWarpsPerBlock)); then every warp processes its own short
 // row (body(row, 0, 1)). One call site, so body is inlined once. body may
 // call __syncthreads() only when nranks > 1 (block-uniform).
+// Rows with more than `split` edges are skipped (the split path, utils.cuh).
 template <typename index_t, typename Body>
 __device__ __forceinline__ void run_rows(const index_t* __restrict__ rowptr,
                                          int64_t N, int64_t E, int64_t coop,
-                                         int64_t* s_long, Body&& body) {
+                                         int64_t split, int64_t* s_long,
+                                         Body&& body) {
   const int64_t item = block_row();
-  const bool valid = item < N;
+  bool valid = item < N;
   bool is_long = false;
   if (valid) {
     int64_t s0, s1;
     row_range(rowptr, item, E, s0, s1);
     is_long = s1 - s0 > coop;
+    valid = s1 - s0 <= split;
   }
   const int wib = threadIdx.x >> 5;
   if (lane_id() == 0) s_long[wib] = (valid && is_long) ? item : -1;

@@ -41,6 +41,10 @@ struct AttnArgs {
   int64_t N, E, Ns;
   int64_t coop;  // rows / columns over this many edges are block-shared
   acc_t<scalar_t> slope;
+  // split path (utils.cuh): long rows / columns and their partials
+  SplitArgs sp;
+  acc_t<scalar_t>* part_acc;  // [2 * nwin, D] (backward: [2 * nwin, D + H])
+  acc_t<scalar_t>* part_ms;   // [2 * nwin, H, 2] forward (max, sum)
 };
 
 // z = a_src[j, h] + a_dst[i, h] + a_edge[e, h] (absent terms 0; adst is the
@@ -89,116 +93,233 @@ struct AttnFwdWeight {
 //   shuffles; slot 0 stores them plus bias. Channel tile 0 also writes lse.
 // Rows with more than coop_edges(...) edges are shared by the 8 warps of the
 // block: edges interleaved over the warps, statistics and partial sums
-// combined in shared memory in a fixed order.
+// combined in shared memory in a fixed order. Rows over the split threshold
+// are left to attention_fwd_part_kernel / attention_fwd_combine_kernel.
+//
+// Edges [start, end) of row `row` (the whole row, or with PARTIAL one window
+// part of a long row, whose unnormalized sums and statistics go to slot
+// `slot` of the partials), processed by warp `rank` of `nranks`.
+template <bool PARTIAL, typename scalar_t, typename index_t, int V, int KHQ>
+__device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
+                                        const TileLayout& L, int64_t row,
+                                        int64_t start, int64_t end, int rank,
+                                        int nranks, acc_t<scalar_t>* s_m,
+                                        acc_t<scalar_t>* s_s,
+                                        acc_t<scalar_t>* s_red, int64_t slot) {
+  using A = acc_t<scalar_t>;
+  constexpr int U = KHQ == 1 ? 4 : 2;  // pass-1 edges in flight per lane
+  const int H = L.H;
+  const int64_t D = static_cast<int64_t>(H) * L.C;
+  const int lane = lane_id();
+  const LaneTile<KHQ> T =
+      decode_tile<KHQ>(L, V, row, static_cast<int>(blockIdx.y), lane);
+  const int64_t i = T.row;
+
+  AttnFwdWeight<scalar_t, KHQ> fn;
+  fn.a_src = a.a_src;
+  fn.a_edge = a.a_edge;
+  fn.mask = a.mask;
+  fn.H = H;
+  fn.slope = a.slope;
+#pragma unroll
+  for (int kh = 0; kh < KHQ; ++kh) {
+    fn.h[kh] = T.h[kh];
+    fn.adst[kh] = (a.a_dst != nullptr && T.hok[kh])
+                      ? to_acc(a.a_dst[i * H + T.h[kh]])
+                      : A(0);
+    fn.m[kh] = neg_inf<A>();
+    fn.s[kh] = A(0);
+  }
+
+  // ---- pass 1
+  const int64_t nslots = static_cast<int64_t>(T.ES) * T.LH;
+  const int64_t stride = nslots * nranks;
+  const int64_t first = start + rank * nslots + T.es * T.LH + T.cl;
+  for (int64_t e0 = first; e0 < end; e0 += stride * U) {
+    int64_t e[U], j[U];
+    bool ok[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      e[u] = e0 + u * stride;
+      ok[u] = e[u] < end;
+      j[u] = ok[u] ? static_cast<int64_t>(a.col[e[u]]) : 0;
+      ok[u] = ok[u] && j[u] >= 0 && j[u] < a.Ns;
+    }
+    A x[U][KHQ];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int kh = 0; kh < KHQ; ++kh)
+        x[u][kh] = (ok[u] && T.hok[kh])
+                       ? leaky(attn_z(a.a_src, a.a_edge, H, e[u], j[u],
+                                      T.h[kh], fn.adst[kh]),
+                               a.slope)
+                       : neg_inf<A>();
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int kh = 0; kh < KHQ; ++kh)
+        online_add(fn.m[kh], fn.s[kh], x[u][kh]);
+  }
+  for (int off = 1; off < kWarp; off <<= 1) {
+    if (off < T.LH || off >= T.LH * T.HS) {  // cl and es bits
+#pragma unroll
+      for (int kh = 0; kh < KHQ; ++kh) {
+        const A m2 = __shfl_xor_sync(kFullMask, fn.m[kh], off);
+        const A s2 = __shfl_xor_sync(kFullMask, fn.s[kh], off);
+        online_merge(fn.m[kh], fn.s[kh], m2, s2);
+      }
+    }
+  }
+  if (nranks > 1) {  // merge over the block's warps, same order everywhere
+#pragma unroll
+    for (int kh = 0; kh < KHQ; ++kh) {
+      s_m[(rank * kWarp + lane) * KHQ + kh] = fn.m[kh];
+      s_s[(rank * kWarp + lane) * KHQ + kh] = fn.s[kh];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int kh = 0; kh < KHQ; ++kh) {
+      fn.m[kh] = s_m[lane * KHQ + kh];
+      fn.s[kh] = s_s[lane * KHQ + kh];
+      for (int r = 1; r < nranks; ++r)
+        online_merge(fn.m[kh], fn.s[kh], s_m[(r * kWarp + lane) * KHQ + kh],
+                     s_s[(r * kWarp + lane) * KHQ + kh]);
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int kh = 0; kh < KHQ; ++kh) {
+    const bool w0 = rank == 0 && T.ct == 0 && T.es == 0 && T.cl == 0 && T.hok[kh];
+    if (PARTIAL) {  // weights exp(x - m): the combine rescales
+      if (w0) {
+        a.part_ms[(slot * H + T.h[kh]) * 2] = fn.m[kh];
+        a.part_ms[(slot * H + T.h[kh]) * 2 + 1] = fn.s[kh];
+      }
+      fn.inv[kh] = A(1);
+    } else {
+      online_finish(fn.m[kh], fn.s[kh]);
+      fn.inv[kh] = fast_recip(fn.s[kh]);
+      if (w0) a.lse_out[i * H + T.h[kh]] = softmax_lse(fn.m[kh], fn.s[kh]);
+    }
+  }
+
+  // ---- pass 2
+  A acc[KHQ][V];
+  zero_acc<V, KHQ>(acc);
+  gather_accumulate<V, KHQ>(T, rank, nranks, start, end, a.col, a.Ns, D,
+                            a.values, fn, acc);
+  reduce_edge_slots<V, KHQ>(T, acc);
+  if (nranks > 1) block_sum<V, KHQ>(acc, s_red, rank, nranks);
+  if (rank == 0) {
+    if (PARTIAL)
+      store_partial<V, KHQ>(T, acc, a.part_acc + slot * D);
+    else
+      store_units<V, KHQ>(T, acc, a.out + i * D, a.bias);
+  }
+}
+
 template <typename scalar_t, typename index_t, int V, int KHQ>
 __global__ void __launch_bounds__(kBlock)
     attention_fwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
-  constexpr int U = KHQ == 1 ? 4 : 2;  // pass-1 edges in flight per lane
   __shared__ int64_t s_long[kWarpsPerBlock];
   __shared__ A s_m[kWarpsPerBlock * kWarp * KHQ];
   __shared__ A s_s[kWarpsPerBlock * kWarp * KHQ];
   __shared__ A s_red[kWarpsPerBlock * kWarp * KHQ * V];
-  const int H = L.H;
-  const int64_t D = static_cast<int64_t>(H) * L.C;
-  const int lane = lane_id();
-  run_rows(a.rowptr, a.N, a.E, a.coop, s_long, [&](int64_t row, int rank, int nranks) {
-    const LaneTile<KHQ> T =
-        decode_tile<KHQ>(L, V, row, static_cast<int>(blockIdx.y), lane);
-    const int64_t i = T.row;
+  run_rows(a.rowptr, a.N, a.E, a.coop, a.sp.split, s_long,
+           [&](int64_t row, int rank, int nranks) {
     int64_t start, end;
-    row_range(a.rowptr, i, a.E, start, end);
-
-    AttnFwdWeight<scalar_t, KHQ> fn;
-    fn.a_src = a.a_src;
-    fn.a_edge = a.a_edge;
-    fn.mask = a.mask;
-    fn.H = H;
-    fn.slope = a.slope;
-#pragma unroll
-    for (int kh = 0; kh < KHQ; ++kh) {
-      fn.h[kh] = T.h[kh];
-      fn.adst[kh] = (a.a_dst != nullptr && T.hok[kh])
-                        ? to_acc(a.a_dst[i * H + T.h[kh]])
-                        : A(0);
-      fn.m[kh] = neg_inf<A>();
-      fn.s[kh] = A(0);
-    }
-
-    // ---- pass 1
-    const int64_t nslots = static_cast<int64_t>(T.ES) * T.LH;
-    const int64_t stride = nslots * nranks;
-    const int64_t first = start + rank * nslots + T.es * T.LH + T.cl;
-    for (int64_t e0 = first; e0 < end; e0 += stride * U) {
-      int64_t e[U], j[U];
-      bool ok[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        e[u] = e0 + u * stride;
-        ok[u] = e[u] < end;
-        j[u] = ok[u] ? static_cast<int64_t>(a.col[e[u]]) : 0;
-        ok[u] = ok[u] && j[u] >= 0 && j[u] < a.Ns;
-      }
-      A x[U][KHQ];
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh)
-          x[u][kh] = (ok[u] && T.hok[kh])
-                         ? leaky(attn_z(a.a_src, a.a_edge, H, e[u], j[u],
-                                        T.h[kh], fn.adst[kh]),
-                                 a.slope)
-                         : neg_inf<A>();
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh)
-          online_add(fn.m[kh], fn.s[kh], x[u][kh]);
-    }
-    for (int off = 1; off < kWarp; off <<= 1) {
-      if (off < T.LH || off >= T.LH * T.HS) {  // cl and es bits
-#pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh) {
-          const A m2 = __shfl_xor_sync(kFullMask, fn.m[kh], off);
-          const A s2 = __shfl_xor_sync(kFullMask, fn.s[kh], off);
-          online_merge(fn.m[kh], fn.s[kh], m2, s2);
-        }
-      }
-    }
-    if (nranks > 1) {  // merge over the block's warps, same order everywhere
-#pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh) {
-        s_m[(rank * kWarp + lane) * KHQ + kh] = fn.m[kh];
-        s_s[(rank * kWarp + lane) * KHQ + kh] = fn.s[kh];
-      }
-      __syncthreads();
-#pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh) {
-        fn.m[kh] = s_m[lane * KHQ + kh];
-        fn.s[kh] = s_s[lane * KHQ + kh];
-        for (int r = 1; r < nranks; ++r)
-          online_merge(fn.m[kh], fn.s[kh], s_m[(r * kWarp + lane) * KHQ + kh],
-                       s_s[(r * kWarp + lane) * KHQ + kh]);
-      }
-      __syncthreads();
-    }
-#pragma unroll
-    for (int kh = 0; kh < KHQ; ++kh) {
-      online_finish(fn.m[kh], fn.s[kh]);
-      fn.inv[kh] = fast_recip(fn.s[kh]);
-      if (rank == 0 && T.ct == 0 && T.es == 0 && T.cl == 0 && T.hok[kh])
-        a.lse_out[i * H + T.h[kh]] = softmax_lse(fn.m[kh], fn.s[kh]);
-    }
-
-    // ---- pass 2
-    A acc[KHQ][V];
-    zero_acc<V, KHQ>(acc);
-    gather_accumulate<V, KHQ>(T, rank, nranks, start, end, a.col, a.Ns, D,
-                              a.values, fn, acc);
-    reduce_edge_slots<V, KHQ>(T, acc);
-    if (nranks > 1) block_sum<V, KHQ>(acc, s_red, rank, nranks);
-    if (rank == 0) store_units<V, KHQ>(T, acc, a.out + i * D, a.bias);
+    row_range(a.rowptr, row, a.E, start, end);
+    fwd_row<false, scalar_t, index_t, V, KHQ>(a, L, row, start, end, rank,
+                                              nranks, s_m, s_s, s_red, 0);
   });
+}
+
+// Split path, partials: block (w, tile) processes both slots of edge window
+// w (window_part, utils.cuh) with its 8 warps as fwd_row's block-shared
+// rows do, writing per head the part's max m and sum s of exp(x - m) and
+// the sums of exp(x - m) * mask * values[j] (not divided by s).
+template <typename scalar_t, typename index_t, int V, int KHQ>
+__global__ void __launch_bounds__(kBlock)
+    attention_fwd_part_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
+  using A = acc_t<scalar_t>;
+  __shared__ A s_m[kWarpsPerBlock * kWarp * KHQ];
+  __shared__ A s_s[kWarpsPerBlock * kWarp * KHQ];
+  __shared__ A s_red[kWarpsPerBlock * kWarp * KHQ * V];
+  const int64_t w = blockIdx.x;
+  for (int q = 0; q < 2; ++q) {
+    int64_t row, s, t;
+    if (!window_part(a.sp, a.rowptr, a.E, w, q, row, s, t)) continue;
+    fwd_row<true, scalar_t, index_t, V, KHQ>(a, L, row, s, t,
+                                             static_cast<int>(threadIdx.x >> 5),
+                                             kWarpsPerBlock, s_m, s_s, s_red,
+                                             2 * w + q);
+  }
+}
+
+// Split path, combine: block w finishes the long row whose first window is
+// w (window_owner). Per round of 32 heads: lane = head, warps take the
+// row's windows k = warp + 8i and merge their (m, s) online, the 8 warp
+// states merged in warp order (shared memory); then window_sum adds the
+// partial sums rescaled by exp(m_k - M) in window order, and the store
+// divides by S and adds bias; lse = M + log S.
+template <typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kBlock)
+    attention_fwd_combine_kernel(AttnArgs<scalar_t, index_t> a, int H,
+                                 int64_t C) {
+  using A = acc_t<scalar_t>;
+  __shared__ A s_red[kBlock * 4];
+  __shared__ A s_M[kWarp], s_S[kWarp];
+  int64_t i, rs, re;
+  if (!window_owner(a.sp, a.rowptr, a.E, blockIdx.x, i, rs, re)) return;
+  const int64_t k0 = rs / a.sp.chunk;
+  const int64_t nw = (re - 1) / a.sp.chunk - k0 + 1;
+  const int64_t chunk = a.sp.chunk;
+  auto slot = [&](int64_t k) { return win_slot(k0 + k, rs, chunk); };
+  const int64_t D = static_cast<int64_t>(H) * C;
+  const int lane = lane_id();
+  const int wib = threadIdx.x >> 5;
+  for (int h0 = 0; h0 < H; h0 += kWarp) {
+    const int h = h0 + lane;
+    A m = neg_inf<A>(), sum = A(0);
+    if (h < H) {
+      for (int64_t k = wib; k < nw; k += kWarpsPerBlock) {
+        const A* p = a.part_ms + (slot(k) * H + h) * 2;
+        online_merge(m, sum, p[0], p[1]);
+      }
+    }
+    s_red[wib * kWarp + lane] = m;
+    s_red[kBlock + wib * kWarp + lane] = sum;
+    __syncthreads();
+    if (wib == 0) {
+      A M = s_red[lane], S = s_red[kBlock + lane];
+      for (int q = 1; q < kWarpsPerBlock; ++q)
+        online_merge(M, S, s_red[q * kWarp + lane], s_red[kBlock + q * kWarp + lane]);
+      online_finish(M, S);
+      s_M[lane] = M;
+      s_S[lane] = S;
+      if (h < H) a.lse_out[i * H + h] = softmax_lse(M, S);
+    }
+    __syncthreads();
+    const int h1 = min(H, h0 + kWarp);
+    window_sum(
+        a.part_acc, D, h0 * C, h1 * C, nw, slot,
+        [&](int64_t k, int64_t x) {
+          const int hh = static_cast<int>(x / C);
+          const A M = s_M[hh - h0];
+          return M == neg_inf<A>()
+                     ? A(1)
+                     : pfa_exp(a.part_ms[(slot(k) * H + hh) * 2] - M);
+        },
+        s_red, [&](int64_t x, A tot) {
+          const int hh = static_cast<int>(x / C);
+          const A M = s_M[hh - h0];
+          A r = M == neg_inf<A>() ? tot : tot * fast_recip(s_S[hh - h0]);
+          if (a.bias != nullptr) r += to_acc(a.bias[x]);
+          a.out[i * D + x] = from_acc<scalar_t>(r);
+        });
+  }
 }
 
 // Backward prologue: G lanes per (row i, head h) (G a power of two, the
@@ -294,7 +415,15 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const RowInfo<A>& r, A aedge,
 // streaming units, one head per lane) compiles without that code to 80
 // registers, so three blocks fit: the layer's fwd+bwd at that size went from
 // 17.9 to 14.75 ms.
-template <typename scalar_t, typename index_t, int V, int KHQ, bool LEAN>
+//
+// PARTIAL: the split path's partials: block (w, tile) processes both slots
+// of CSC edge window w (window_part) with its 8 warps as for a block-shared
+// column and stores its sums into slot 2w + q of part_acc ([D] grad_values
+// terms, then [H] grad_a_src terms; grad_z is written as usual); the
+// non-partial launch skips those columns and attention_bwd_combine_kernel
+// adds the partials in window order.
+template <typename scalar_t, typename index_t, int V, int KHQ, bool LEAN,
+          bool PARTIAL>
 __global__ void __launch_bounds__(kBlock, LEAN ? 3 : 2)
     attention_bwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
@@ -311,13 +440,13 @@ __global__ void __launch_bounds__(kBlock, LEAN ? 3 : 2)
   const scalar_t* __restrict__ mask = LEAN ? nullptr : a.mask;
   const bool gz_csr = !LEAN && a.gz_csr;
   const int KC = LEAN ? 1 : L.KC;
-  run_rows(a.colptr, a.Ns, a.E, a.coop, s_long, [&](int64_t node, int rank, int nranks) {
+  auto col_body = [&](int64_t node, int rank, int nranks, int64_t start,
+                      int64_t end, int64_t slot) {
     const LaneTile<KHQ> T =
         decode_tile<KHQ>(L, V, node, static_cast<int>(blockIdx.y), lane_id());
     const int64_t j = T.row;
-    int64_t start, end;
-    row_range(a.colptr, j, a.E, start, end);
     const scalar_t* __restrict__ v_row = a.values + j * D;
+    A* __restrict__ part = PARTIAL ? a.part_acc + slot * (D + H) : nullptr;
 
     // The column's CSC entries in chunks of 32 (IdxChunk: row and perm
     // loaded once per chunk, coalesced), chunks interleaved over the nranks
@@ -465,11 +594,18 @@ __global__ void __launch_bounds__(kBlock, LEAN ? 3 : 2)
       block_sum<1, KHQ>(gsrc, s_red, rank, nranks);
     }
     if (rank == 0) {
-      store_units<V, KHQ>(T, acc, a.gvalues + j * D);
+      if (PARTIAL)
+        store_partial<V, KHQ>(T, acc, part);
+      else
+        store_units<V, KHQ>(T, acc, a.gvalues + j * D);
 #pragma unroll
       for (int kh = 0; kh < KHQ; ++kh)
-        if (T.es == 0 && T.cl == 0 && T.hok[kh])
-          a.gsrc[j * H + T.h[kh]] = from_acc<scalar_t>(gsrc[kh][0]);
+        if (T.es == 0 && T.cl == 0 && T.hok[kh]) {
+          if (PARTIAL)
+            part[D + T.h[kh]] = gsrc[kh][0];
+          else
+            a.gsrc[j * H + T.h[kh]] = from_acc<scalar_t>(gsrc[kh][0]);
+        }
     }
 
     // Streaming mode: grad_values of units cl + 32*kc, one pass each.
@@ -500,13 +636,61 @@ __global__ void __launch_bounds__(kBlock, LEAN ? 3 : 2)
       });
       if (nranks > 1) block_sum<V, 1>(acc2, s_red, rank, nranks);
       if (rank == 0 && uk) {
-        Vec<scalar_t, V> o = zero_vec<scalar_t, V>();
+        if (PARTIAL) {
 #pragma unroll
-        for (int v = 0; v < V; ++v) vec_set(o, v, acc2[0][v]);
-        store_vec<scalar_t, V>(a.gvalues + j * D + off, o);
+          for (int v = 0; v < V; ++v) part[off + v] = acc2[0][v];
+        } else {
+          Vec<scalar_t, V> o = zero_vec<scalar_t, V>();
+#pragma unroll
+          for (int v = 0; v < V; ++v) vec_set(o, v, acc2[0][v]);
+          store_vec<scalar_t, V>(a.gvalues + j * D + off, o);
+        }
       }
     }
-  });
+  };
+  if (PARTIAL) {
+    const int64_t w = blockIdx.x;
+    for (int q = 0; q < 2; ++q) {
+      int64_t node, s, t;
+      if (!window_part(a.sp, a.colptr, a.E, w, q, node, s, t)) continue;
+      col_body(node, static_cast<int>(threadIdx.x >> 5), kWarpsPerBlock, s, t,
+               2 * w + q);
+    }
+  } else {
+    run_rows(a.colptr, a.Ns, a.E, a.coop, a.sp.split, s_long,
+             [&](int64_t node, int rank, int nranks) {
+      int64_t start, end;
+      row_range(a.colptr, node, a.E, start, end);
+      col_body(node, rank, nranks, start, end, 0);
+    });
+  }
+}
+
+// Split path, combine of the backward: block w finishes the long column j
+// whose first window is w (window_owner): window_sum adds the column's
+// partials ([D] grad_values, [H] grad_a_src terms) in window order.
+template <typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kBlock)
+    attention_bwd_combine_kernel(AttnArgs<scalar_t, index_t> a, int H,
+                                 int64_t C) {
+  using A = acc_t<scalar_t>;
+  __shared__ A s_red[kBlock * 4];
+  int64_t j, rs, re;
+  if (!window_owner(a.sp, a.colptr, a.E, blockIdx.x, j, rs, re)) return;
+  const int64_t k0 = rs / a.sp.chunk;
+  const int64_t nw = (re - 1) / a.sp.chunk - k0 + 1;
+  const int64_t chunk = a.sp.chunk;
+  const int64_t D = static_cast<int64_t>(H) * C;
+  window_sum(
+      a.part_acc, D + H, 0, D + H, nw,
+      [&](int64_t k) { return win_slot(k0 + k, rs, chunk); },
+      [](int64_t, int64_t) { return A(1); }, s_red,
+      [&](int64_t x, A tot) {
+        if (x < D)
+          a.gvalues[j * D + x] = from_acc<scalar_t>(tot);
+        else
+          a.gsrc[j * H + (x - D)] = from_acc<scalar_t>(tot);
+      });
 }
 
 inline at::Tensor opt_contig(const c10::optional<at::Tensor>& t) {
@@ -583,13 +767,32 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
       const TileLayout L = make_layout(H, C, vec ? VW : 1, true);
       const dim3 grid = row_grid(N, L.n_tiles);
       a.coop = coop_edges(N, L.n_tiles);
+      at::Tensor win, part;
+      a.sp = make_split(a.rowptr, N, a.E, values.options(), win);
+      if (a.sp.nwin > 0) {
+        part = at::empty({2 * a.sp.nwin, H * C + 2 * H}, lse.options());
+        a.part_acc = part.data_ptr<A>();
+        a.part_ms = a.part_acc + 2 * a.sp.nwin * H * C;
+      }
       auto stream = at::cuda::getCurrentCUDAStream();
       dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
-        attention_fwd_kernel<scalar_t, index_t, decltype(v)::value,
-                             decltype(k)::value>
+        constexpr int V = decltype(v)::value, KHQ = decltype(k)::value;
+        if (a.sp.nwin > 0) {
+          attention_fwd_part_kernel<scalar_t, index_t, V, KHQ>
+              <<<dim3(static_cast<unsigned>(a.sp.nwin), grid.y), kBlock, 0,
+                 stream>>>(a, L);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+        attention_fwd_kernel<scalar_t, index_t, V, KHQ>
             <<<grid, kBlock, 0, stream>>>(a, L);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
+      if (a.sp.nwin > 0) {
+        attention_fwd_combine_kernel<scalar_t, index_t>
+            <<<static_cast<unsigned>(a.sp.nwin), kBlock, 0, stream>>>(
+                a, static_cast<int>(H), C);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     });
   });
   return {out, lse};
@@ -669,19 +872,43 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
       const TileLayout L = make_layout(H, C, vec ? VW : 1, false);
       const dim3 grid = row_grid(Ns, L.n_tiles);
       a.coop = coop_edges(Ns, L.n_tiles);
+      at::Tensor win, part;
+      a.sp = make_split(a.colptr, Ns, E, values.options(), win);
+      const dim3 pgrid(static_cast<unsigned>(std::max<int64_t>(a.sp.nwin, 1)),
+                       grid.y);
+      if (a.sp.nwin > 0) {
+        part = at::empty({2 * a.sp.nwin, H * C + H}, lse.options());
+        a.part_acc = part.data_ptr<A>();
+      }
       const bool lean = vec && L.khq == 1 && L.KC == 1 && !grad_z_csr &&
                         !a_edge.defined() && !mask.defined();
       if (lean) {
-        attention_bwd_kernel<scalar_t, index_t, VW, 1, true>
+        if (a.sp.nwin > 0) {
+          attention_bwd_kernel<scalar_t, index_t, VW, 1, true, true>
+              <<<pgrid, kBlock, 0, stream>>>(a, L);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+        attention_bwd_kernel<scalar_t, index_t, VW, 1, true, false>
             <<<grid, kBlock, 0, stream>>>(a, L);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       } else {
         dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
-          attention_bwd_kernel<scalar_t, index_t, decltype(v)::value,
-                               decltype(k)::value, false>
+          constexpr int V = decltype(v)::value, KHQ = decltype(k)::value;
+          if (a.sp.nwin > 0) {
+            attention_bwd_kernel<scalar_t, index_t, V, KHQ, false, true>
+                <<<pgrid, kBlock, 0, stream>>>(a, L);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+          }
+          attention_bwd_kernel<scalar_t, index_t, V, KHQ, false, false>
               <<<grid, kBlock, 0, stream>>>(a, L);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
+      }
+      if (a.sp.nwin > 0) {
+        attention_bwd_combine_kernel<scalar_t, index_t>
+            <<<static_cast<unsigned>(a.sp.nwin), kBlock, 0, stream>>>(
+                a, static_cast<int>(H), C);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     });
   });

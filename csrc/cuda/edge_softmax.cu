@@ -30,6 +30,8 @@ struct SoftmaxArgs {
   int64_t N, E;
   int H;
   int hs_log;          // HS = 2^hs_log head slots per group
+  SplitArgs sp;        // split path (utils.cuh): rows over sp.split edges
+  acc_t<scalar_t>* part;  // [2 * nwin, H, 2] per window slot: (max, sum) / (d, -)
 };
 
 template <typename scalar_t, typename index_t>
@@ -56,6 +58,7 @@ __device__ __forceinline__ void softmax_row(
   int64_t start, end;
   row_range(a.rowptr, i, a.E, start, end);
   const int64_t deg = end - start;
+  if (deg > a.sp.split) return;  // split path (uniform over the group / block)
   const int H = a.H;
   const int HS = 1 << a.hs_log;
   const int GS = 1 << gs_log;
@@ -151,8 +154,10 @@ __device__ __forceinline__ void softmax_row(
 // one after the other with all 32 lanes. Rows with more than kCoopRow
 // elements are processed first, one after the other, by all 8 warps of the
 // block (entries interleaved over the warps, statistics merged in shared
-// memory in a fixed order). Finally all threads zero the entries outside
-// every row ([rowptr[N], E)) with a grid-stride loop.
+// memory in a fixed order). Rows over the split threshold are skipped (left
+// to edge_softmax_part_kernel / edge_softmax_finish_kernel). Finally all
+// threads zero the entries outside every row ([rowptr[N], E)) with a
+// grid-stride loop.
 // Occupancy floor: 4 blocks/SM (<= 64 registers) for 2- and 4-byte types,
 // 3 (<= 80 registers; double exp needs more) for double.
 template <typename scalar_t> constexpr int softmax_min_blocks() {
@@ -224,6 +229,139 @@ __global__ void __launch_bounds__(kBlock, softmax_min_blocks<scalar_t>())
   zero_from(tail, a.E, a.H, a.out);
 }
 
+// Split path. Per round of HS heads (HS = min(32, pow2 >= H)), lane
+// (ks, hs) of warp q (ks = lane / HS) takes head h0 + hs and items
+// k = q * ES + ks + 8 * ES * i (ES = 32 / HS) of [0, n); `add(k, h, m, s)`
+// folds item k into the lane's state (fwd: online max / sum; bwd: s += d).
+// The states are merged over ks by xor shuffles, then over the 8 warps in
+// warp order in shared memory; every thread returns the totals of its head
+// (a fixed order: deterministic). All threads of the block call it.
+template <bool kBwd, typename A, typename Add>
+__device__ __forceinline__ void block_head_stats(int64_t n, int h0, int H,
+                                                 int hs_log, const Add& add,
+                                                 A& m, A& s, A* s_a, A* s_b) {
+  const int lane = lane_id();
+  const int wib = threadIdx.x >> 5;
+  const int HS = 1 << hs_log;
+  const int ES = kWarp >> hs_log;
+  const int h = h0 + (lane & (HS - 1));
+  m = neg_inf<A>();
+  s = A(0);
+  if (h < H) {
+    for (int64_t k = static_cast<int64_t>(wib) * ES + (lane >> hs_log); k < n;
+         k += static_cast<int64_t>(kWarpsPerBlock) * ES)
+      add(k, h, m, s);
+  }
+  for (int off = HS; off < kWarp; off <<= 1) {
+    const A m2 = __shfl_xor_sync(kFullMask, m, off);
+    const A s2 = __shfl_xor_sync(kFullMask, s, off);
+    if (kBwd)
+      s += s2;
+    else
+      online_merge(m, s, m2, s2);
+  }
+  s_a[wib * kWarp + lane] = m;
+  s_b[wib * kWarp + lane] = s;
+  __syncthreads();
+  m = s_a[lane];
+  s = s_b[lane];
+  for (int q = 1; q < kWarpsPerBlock; ++q) {
+    if (kBwd)
+      s += s_b[q * kWarp + lane];
+    else
+      online_merge(m, s, s_a[q * kWarp + lane], s_b[q * kWarp + lane]);
+  }
+  __syncthreads();
+}
+
+// Partials: block w reduces both slots of edge window w (window_part): per
+// head the slot's max and sum of exp(x - max) (forward) or
+// d = sum out * grad_out (backward), into part[slot, h].
+template <bool kBwd, typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kBlock)
+    edge_softmax_part_kernel(SoftmaxArgs<scalar_t, index_t> a) {
+  using A = acc_t<scalar_t>;
+  __shared__ A s_a[kBlock], s_b[kBlock];
+  const int64_t w = blockIdx.x;
+  const int H = a.H;
+  const int lane = lane_id();
+  for (int q = 0; q < 2; ++q) {
+    int64_t row, s, t;
+    if (!window_part(a.sp, a.rowptr, a.E, w, q, row, s, t)) continue;
+    const int64_t slot = 2 * w + q;
+    for (int h0 = 0; h0 < H; h0 += 1 << a.hs_log) {
+      A m, sum;
+      block_head_stats<kBwd, A>(
+          t - s, h0, H, a.hs_log,
+          [&](int64_t k, int h, A& m_, A& s_) {
+            const int64_t x = (s + k) * H + h;
+            if (kBwd)
+              s_ += to_acc(a.x[x]) * to_acc(a.g[x]);
+            else
+              online_add(m_, s_, to_acc(a.x[x]));
+          },
+          m, sum, s_a, s_b);
+      const int h = h0 + (lane & ((1 << a.hs_log) - 1));
+      if (threadIdx.x < (1u << a.hs_log) && h < H) {
+        a.part[(slot * H + h) * 2] = m;
+        a.part[(slot * H + h) * 2 + 1] = sum;
+      }
+    }
+  }
+}
+
+// Finish: block w, for both slots of window w, merges the partials of the
+// slot's row over all of the row's windows (window order within each
+// lane's share, then the fixed merge of block_head_stats: every block of a
+// row gets the same totals) and writes the slot's edges:
+// softmax weight (forward) or out * (grad_out - d) (backward).
+template <bool kBwd, typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kBlock)
+    edge_softmax_finish_kernel(SoftmaxArgs<scalar_t, index_t> a) {
+  using A = acc_t<scalar_t>;
+  __shared__ A s_a[kBlock], s_b[kBlock];
+  const int64_t w = blockIdx.x;
+  const int H = a.H;
+  const int lane = lane_id();
+  const int wib = threadIdx.x >> 5;
+  const int HS = 1 << a.hs_log;
+  const int ES = kWarp >> a.hs_log;
+  for (int q = 0; q < 2; ++q) {
+    int64_t row, s, t;
+    if (!window_part(a.sp, a.rowptr, a.E, w, q, row, s, t)) continue;
+    int64_t rs, re;
+    row_range(a.rowptr, row, a.E, rs, re);
+    const int64_t k0 = rs / a.sp.chunk;
+    const int64_t nw = (re - 1) / a.sp.chunk - k0 + 1;
+    const int64_t chunk = a.sp.chunk;
+    for (int h0 = 0; h0 < H; h0 += HS) {
+      A m, sum;
+      block_head_stats<kBwd, A>(
+          nw, h0, H, a.hs_log,
+          [&](int64_t k, int h, A& m_, A& s_) {
+            const A* p = a.part + (win_slot(k0 + k, rs, chunk) * H + h) * 2;
+            if (kBwd)
+              s_ += p[0];
+            else
+              online_merge(m_, s_, p[0], p[1]);
+          },
+          m, sum, s_a, s_b);
+      if (!kBwd) online_finish(m, sum);
+      const A inv = kBwd ? A(0) : fast_recip(sum);
+      const int h = h0 + (lane & (HS - 1));
+      if (h >= H) continue;
+      for (int64_t e = s + static_cast<int64_t>(wib) * ES + (lane >> a.hs_log);
+           e < t; e += static_cast<int64_t>(kWarpsPerBlock) * ES) {
+        const int64_t x = e * H + h;
+        a.out[x] = kBwd ? from_acc<scalar_t>(to_acc(a.x[x]) *
+                                             (to_acc(a.g[x]) - sum))
+                        : from_acc<scalar_t>(
+                              softmax_weight(to_acc(a.x[x]), m, sum, inv));
+      }
+    }
+  }
+}
+
 template <bool kBwd>
 at::Tensor launch_edge_softmax(const at::Tensor& rowptr_in,
                                const at::Tensor& x_in,
@@ -262,9 +400,25 @@ at::Tensor launch_edge_softmax(const at::Tensor& rowptr_in,
       a.E = E;
       a.H = static_cast<int>(H);
       a.hs_log = log2_pow2(HS);
+      at::Tensor win, part;
+      a.sp = make_split(a.rowptr, N, E, x.options(), win);
+      a.part = nullptr;
+      if (a.sp.nwin > 0) {
+        part = at::empty({2 * a.sp.nwin, H, 2},
+                         x.options().dtype(opmath_type(x.scalar_type())));
+        a.part = part.data_ptr<acc_t<scalar_t>>();
+        edge_softmax_part_kernel<kBwd, scalar_t, index_t>
+            <<<static_cast<unsigned>(a.sp.nwin), kBlock, 0, stream>>>(a);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
       edge_softmax_kernel<kBwd, scalar_t, index_t>
           <<<static_cast<unsigned>(blocks), kBlock, 0, stream>>>(a, gs_log);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (a.sp.nwin > 0) {
+        edge_softmax_finish_kernel<kBwd, scalar_t, index_t>
+            <<<static_cast<unsigned>(a.sp.nwin), kBlock, 0, stream>>>(a);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     });
   });
   return out;

@@ -16,6 +16,8 @@ struct SpmmArgs {
   scalar_t* out;            // [N, H, C]
   int64_t N, E, Ns, Ew;
   int64_t coop;  // rows over this many edges are block-shared
+  SplitArgs sp;  // split path (utils.cuh)
+  acc_t<scalar_t>* part;  // [2 * nwin, H * C] partial sums
 };
 
 // w(e, h) = weight[wperm[e] or e, h], or 1 without weight.
@@ -48,19 +50,22 @@ struct SpmmWeight {
 // the ES edge slots are summed with shuffles and slot 0 stores. Rows with
 // more than coop_edges(...) edges are shared by the 8 warps of the block (edges
 // interleaved over the warps, partial sums combined in shared memory).
-template <typename scalar_t, typename index_t, int V, int KHQ>
+// PARTIAL: the split path's partials: block (w, tile) sums both slots of
+// edge window w (window_part, utils.cuh) with its 8 warps into slot 2w + q
+// of part; the non-partial launch skips rows over the split threshold and
+// spmm_combine_kernel adds their partials in window order.
+template <typename scalar_t, typename index_t, int V, int KHQ, bool PARTIAL>
 __global__ void __launch_bounds__(kBlock)
     spmm_kernel(SpmmArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
   __shared__ int64_t s_long[kWarpsPerBlock];
   __shared__ A s_red[kWarpsPerBlock * kWarp * KHQ * V];
   const int64_t D = static_cast<int64_t>(L.H) * L.C;
-  run_rows(a.rowptr, a.N, a.E, a.coop, s_long, [&](int64_t row, int rank, int nranks) {
+  auto body = [&](int64_t row, int rank, int nranks, int64_t start,
+                  int64_t end, int64_t slot) {
     const LaneTile<KHQ> T =
         decode_tile<KHQ>(L, V, row, static_cast<int>(blockIdx.y), lane_id());
     const int64_t i = T.row;
-    int64_t start, end;
-    row_range(a.rowptr, i, a.E, start, end);
     SpmmWeight<scalar_t, index_t, KHQ> fn;
     fn.w_ = a.weight;
     fn.wperm = a.wperm;
@@ -74,15 +79,55 @@ __global__ void __launch_bounds__(kBlock)
                               a.values, fn, acc);
     reduce_edge_slots<V, KHQ>(T, acc);
     if (nranks > 1) block_sum<V, KHQ>(acc, s_red, rank, nranks);
-    if (rank == 0) store_units<V, KHQ>(T, acc, a.out + i * D);
-  });
+    if (rank == 0) {
+      if (PARTIAL)
+        store_partial<V, KHQ>(T, acc, a.part + slot * D);
+      else
+        store_units<V, KHQ>(T, acc, a.out + i * D);
+    }
+  };
+  if (PARTIAL) {
+    const int64_t w = blockIdx.x;
+    for (int q = 0; q < 2; ++q) {
+      int64_t row, s, t;
+      if (!window_part(a.sp, a.rowptr, a.E, w, q, row, s, t)) continue;
+      body(row, static_cast<int>(threadIdx.x >> 5), kWarpsPerBlock, s, t,
+           2 * w + q);
+    }
+  } else {
+    run_rows(a.rowptr, a.N, a.E, a.coop, a.sp.split, s_long,
+             [&](int64_t row, int rank, int nranks) {
+      int64_t start, end;
+      row_range(a.rowptr, row, a.E, start, end);
+      body(row, rank, nranks, start, end, 0);
+    });
+  }
+}
+
+// Split path, combine: block w finishes the long row whose first window is
+// w (window_owner), adding its partials in window order (window_sum).
+template <typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kBlock)
+    spmm_combine_kernel(SpmmArgs<scalar_t, index_t> a, int64_t D) {
+  using A = acc_t<scalar_t>;
+  __shared__ A s_red[kBlock * 4];
+  int64_t i, rs, re;
+  if (!window_owner(a.sp, a.rowptr, a.E, blockIdx.x, i, rs, re)) return;
+  const int64_t k0 = rs / a.sp.chunk;
+  const int64_t nw = (re - 1) / a.sp.chunk - k0 + 1;
+  const int64_t chunk = a.sp.chunk;
+  window_sum(
+      a.part, D, 0, D, nw,
+      [&](int64_t k) { return win_slot(k0 + k, rs, chunk); },
+      [](int64_t, int64_t) { return A(1); }, s_red,
+      [&](int64_t x, A tot) { a.out[i * D + x] = from_acc<scalar_t>(tot); });
 }
 
 // values viewed as [Ns, H, C]; out is [N, H, C]. Without weight the heads do
 // not matter and the row is treated as one head of H * C channels.
 template <typename scalar_t, typename index_t>
 void launch_spmm(SpmmArgs<scalar_t, index_t> a, int64_t H, int64_t C,
-                 bool weighted) {
+                 bool weighted, const at::TensorOptions& opts) {
   if (!weighted) {
     C = H * C;
     H = 1;
@@ -93,12 +138,32 @@ void launch_spmm(SpmmArgs<scalar_t, index_t> a, int64_t H, int64_t C,
   if (a.N * L.n_tiles == 0) return;
   const dim3 grid = row_grid(a.N, L.n_tiles);
   a.coop = coop_edges(a.N, L.n_tiles);
+  const int64_t D = H * C;
+  at::Tensor win, part;
+  a.sp = make_split(a.rowptr, a.N, a.E, opts, win);
+  if (a.sp.nwin > 0) {
+    part = at::empty({2 * a.sp.nwin, D},
+                     opts.dtype(opmath_type(c10::CppTypeToScalarType<scalar_t>::value)));
+    a.part = part.data_ptr<acc_t<scalar_t>>();
+  }
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
-    spmm_kernel<scalar_t, index_t, decltype(v)::value, decltype(k)::value>
+    constexpr int V = decltype(v)::value, KHQ = decltype(k)::value;
+    if (a.sp.nwin > 0) {
+      spmm_kernel<scalar_t, index_t, V, KHQ, true>
+          <<<dim3(static_cast<unsigned>(a.sp.nwin), grid.y), kBlock, 0,
+             stream>>>(a, L);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    spmm_kernel<scalar_t, index_t, V, KHQ, false>
         <<<grid, kBlock, 0, stream>>>(a, L);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
+  if (a.sp.nwin > 0) {
+    spmm_combine_kernel<scalar_t, index_t>
+        <<<static_cast<unsigned>(a.sp.nwin), kBlock, 0, stream>>>(a, D);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
 }
 
 // ---------------------------------------------------------------------------
@@ -345,7 +410,7 @@ at::Tensor spmm_cuda(const at::Tensor& rowptr_in, const at::Tensor& col_in,
       a.E = col.numel();
       a.Ns = values.size(0);
       a.Ew = weight.defined() ? weight.size(0) : 0;
-      launch_spmm(a, H, C, weight.defined());
+      launch_spmm(a, H, C, weight.defined(), values.options());
     });
   });
   return out;
@@ -377,7 +442,7 @@ at::Tensor segment_sum_cuda(const at::Tensor& rowptr_in,
       a.E = perm.defined() ? perm.numel() : src.size(0);
       a.Ns = src.size(0);
       a.Ew = 0;
-      if (!launch_segment_sum_narrow(a, H)) launch_spmm(a, 1, H, false);
+      if (!launch_segment_sum_narrow(a, H)) launch_spmm(a, 1, H, false, src.options());
     });
   });
   return out;

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <climits>
 #include <type_traits>
 
 #include <cuda_bf16.h>
@@ -373,6 +374,150 @@ inline dim3 row_grid(int64_t N, int n_tiles, int64_t tail_elems = 0) {
   const int64_t bx = blocks_for(N, tail_elems);
   PFA_CHECK(bx < (int64_t(1) << 31), "too many rows: ", N);
   return dim3(static_cast<unsigned>(bx), static_cast<unsigned>(n_tiles));
+}
+
+// ---------------------------------------------------------------------------
+// Split path for long rows (split_plan() in common.h). Edge window w is
+// [w * chunk, (w + 1) * chunk). A long row (more than `split` edges,
+// split >= chunk) overlaps a window in slot 0 when it holds the window's
+// first edge, or in slot 1 when it starts inside the window (at most one
+// long row can: it then runs past the window's end). win[2w + q] is the
+// long row of slot q of window w, or -1; partial results of a launch live
+// at slot 2w + q. Kernels: mark_windows (fills win), the op's partial kernel
+// (one block per window, both slots), the row kernel (skips long rows) and
+// a combine kernel (per long row, its partials in window order).
+struct SplitArgs {
+  int64_t split = INT64_MAX;  // rows with more edges are split
+  int64_t chunk = 1;
+  int64_t nwin = 0;           // windows; 0: no split path in this launch
+  const int64_t* win = nullptr;
+};
+
+// Thread per row (grid-stride): every long row writes its row id into the
+// slots of the windows it overlaps (one writer per slot).
+template <typename index_t>
+__global__ void __launch_bounds__(kBlock)
+    mark_windows_kernel(const index_t* __restrict__ rowptr, int64_t N,
+                        int64_t E, int64_t split, int64_t chunk,
+                        int64_t* __restrict__ win) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       r < N; r += stride) {
+    int64_t s, t;
+    row_range(rowptr, r, E, s, t);
+    if (t - s <= split) continue;
+    const int64_t w0 = s / chunk, w1 = (t - 1) / chunk;
+    for (int64_t w = w0; w <= w1; ++w)
+      win[2 * w + ((w == w0 && s > w * chunk) ? 1 : 0)] = r;
+  }
+}
+
+// Partial slot of window w of a long row starting at edge `start`.
+__device__ __forceinline__ int64_t win_slot(int64_t w, int64_t start,
+                                            int64_t chunk) {
+  return 2 * w + ((w == start / chunk && start > w * chunk) ? 1 : 0);
+}
+
+// Slot q of window w: the long row and its edges [s, t) in the window;
+// false when the slot is empty. Block-uniform when w and q are.
+template <typename index_t>
+__device__ __forceinline__ bool window_part(const SplitArgs& sp,
+                                            const index_t* __restrict__ rowptr,
+                                            int64_t E, int64_t w, int q,
+                                            int64_t& row, int64_t& s,
+                                            int64_t& t) {
+  row = sp.win[2 * w + q];
+  if (row < 0) return false;
+  int64_t rs, re;
+  row_range(rowptr, row, E, rs, re);
+  s = rs > w * sp.chunk ? rs : w * sp.chunk;
+  t = re < (w + 1) * sp.chunk ? re : (w + 1) * sp.chunk;
+  return s < t;
+}
+
+// The long row that block w combines (the one whose first window is w; at
+// most one), with its edge range; false when none. Block-uniform.
+template <typename index_t>
+__device__ __forceinline__ bool window_owner(const SplitArgs& sp,
+                                             const index_t* __restrict__ rowptr,
+                                             int64_t E, int64_t w, int64_t& row,
+                                             int64_t& rs, int64_t& re) {
+  for (int q = 0; q < 2; ++q) {
+    row = sp.win[2 * w + q];
+    if (row < 0) continue;
+    row_range(rowptr, row, E, rs, re);
+    if (rs / sp.chunk == w) return true;
+  }
+  return false;
+}
+
+// Host: the split path of a launch over N rows and E edges (rowptr on the
+// device). Without a possible long row (E <= split) nothing is launched.
+// `win` keeps the window table alive until the launches are queued.
+template <typename index_t>
+inline SplitArgs make_split(const index_t* rowptr, int64_t N, int64_t E,
+                            const at::TensorOptions& opts, at::Tensor& win) {
+  SplitArgs sp;
+  const SplitPlan plan = split_plan();
+  if (N <= 0 || E <= plan.split) return sp;
+  sp.split = plan.split;
+  sp.chunk = plan.chunk;
+  sp.nwin = ceil_div(E, sp.chunk);
+  PFA_CHECK(sp.nwin < (int64_t(1) << 30), "too many edge windows: ", sp.nwin);
+  win = at::full({2 * sp.nwin}, -1, opts.dtype(at::kLong));
+  sp.win = win.data_ptr<int64_t>();
+  const int64_t blocks = std::max<int64_t>(
+      1, std::min<int64_t>(ceil_div(N, kBlock), int64_t(num_sms()) * 8));
+  mark_windows_kernel<index_t>
+      <<<static_cast<unsigned>(blocks), kBlock, 0,
+         at::cuda::getCurrentCUDAStream()>>>(rowptr, N, E, sp.split, sp.chunk,
+                                             win.data_ptr<int64_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return sp;
+}
+
+// Combine helper: for x in [x0, x1), total(x) = sum over the row's windows
+// k = 0 .. nw - 1 (in order within each warp's share) of
+// factor(k, x) * part[slot(k) * W + x]; warp q takes windows q, q + 8, ...,
+// lane l elements x0 + l + 32u (u < 4), and the 8 warp sums are added in
+// warp order in shared memory (s_red: kBlock * 4 values). Calls
+// store(x, total) once per x (from warp 0). All threads of the block call it.
+template <typename A, typename Slot, typename Factor, typename Store>
+__device__ __forceinline__ void window_sum(const A* __restrict__ part,
+                                           int64_t W, int64_t x0, int64_t x1,
+                                           int64_t nw, const Slot& slot,
+                                           const Factor& factor, A* s_red,
+                                           const Store& store) {
+  constexpr int U = 4;
+  const int lane = lane_id();
+  const int wib = threadIdx.x >> 5;
+  for (int64_t xb = x0; xb < x1; xb += kWarp * U) {
+    A acc[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) acc[u] = A(0);
+#pragma unroll 2
+    for (int64_t k = wib; k < nw; k += kWarpsPerBlock) {
+      const A* p = part + slot(k) * W;
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t x = xb + lane + kWarp * u;
+        if (x < x1) acc[u] += factor(k, x) * p[x];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) s_red[(wib * U + u) * kWarp + lane] = acc[u];
+    __syncthreads();
+    if (wib == 0) {
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int64_t x = xb + lane + kWarp * u;
+        A t = s_red[u * kWarp + lane];
+        for (int q = 1; q < kWarpsPerBlock; ++q) t += s_red[(q * U + u) * kWarp + lane];
+        if (x < x1) store(x, t);
+      }
+    }
+    __syncthreads();
+  }
 }
 
 }  // namespace cuda

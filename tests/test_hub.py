@@ -1,0 +1,237 @@
+"""Hub graphs: rows (and CSC columns) long enough to take the split path of
+the kernels (chunks of a long row processed by separate workers, partials
+combined in chunk order), against the float64 reference, and bitwise
+determinism of the split path.
+
+``PYG_FASTATTN_SPLIT_EDGES=16`` (read by the kernels at every launch) sets
+the split threshold to 16 edges and the chunk to 8, so that small graphs
+have rows just below / at / above the threshold and rows of many chunks;
+'default' keeps the built-in threshold with a hub row and a hub column
+above it."""
+import pytest
+import torch
+
+from pyg_fastattn import _build, ops, reference as R
+
+from conftest import DEVICES
+from graphs import csr_from_degrees
+from test_ops import _check, _leaf
+
+SPLIT_ENV = 'PYG_FASTATTN_SPLIT_EDGES'
+DEFAULT_SPLIT = 16384  # kSplitEdges in csrc/common.h
+
+
+@pytest.fixture(params=['small', 'default'])
+def split(request, monkeypatch):
+    if not _build.load().native:
+        pytest.skip(f'native kernels unavailable: {_build.load().error}')
+    if request.param == 'small':
+        monkeypatch.setenv(SPLIT_ENV, '16')
+    else:
+        monkeypatch.delenv(SPLIT_ENV, raising=False)
+    return request.param
+
+
+def hub_graph(split, idx, device):
+    """(rowptr, col, Ns): empty, degree-1 and small rows, rows at the split
+    threshold and one above it, a hub row of several chunks, and a hub
+    column (source node 0 of about half of all edges)."""
+    g = torch.Generator().manual_seed(7)
+    if split == 'small':
+        T, hub, Ns = 16, 600, 40
+    else:
+        T, hub, Ns = DEFAULT_SPLIT, 20000, 300
+    small = torch.randint(0, 6, (60, ), generator=g)
+    deg = torch.cat([torch.tensor([0, 1, T - 1, T, T + 1, 3 * T + 5, 0]), small[:30],
+                     torch.tensor([hub, 1, 0]), small[30:], torch.tensor([2 * T + 1])])
+    rowptr, col = csr_from_degrees(deg, Ns)
+    E = col.numel()
+    to_hub = torch.rand(E, generator=g) < 0.5
+    col[to_hub] = 0  # column 0: a CSC hub of about E / 2 entries
+    return rowptr.to(device, idx), col.to(device, idx), Ns
+
+
+IDX = [torch.int32, torch.int64]
+DTYPES = [torch.float64, torch.float32]
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('heads', [1, 4, 8])
+def test_hub_edge_softmax(split, device, idx, dtype, heads):
+    rowptr, col, _ = hub_graph(split, idx, device)
+    s = _leaf(torch.randn(col.numel(), heads, device=device) * 3, dtype,
+              contiguous=heads != 4)
+    _check(lambda s: ops.edge_softmax(s, rowptr),
+           lambda s: R.edge_softmax(rowptr, s), [s], dtype)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('heads,C', [(1, 8), (4, 7), (8, 16), (2, 160)])
+def test_hub_softmax_aggregate(split, device, idx, dtype, heads, C):
+    rowptr, col, Ns = hub_graph(split, idx, device)
+    s = _leaf(torch.randn(col.numel(), heads, device=device), dtype)
+    v = _leaf(torch.randn(Ns, heads, C, device=device), dtype,
+              contiguous=C != 7)
+    _check(lambda s, v: ops.softmax_aggregate(rowptr, col, s, v),
+           lambda s, v: R.attention(rowptr, col, None, None, s, None, v, 1.0)[0],
+           [s, v], dtype)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('terms', ['src,dst', 'src,dst,edge,mask'])
+@pytest.mark.parametrize('heads,C', [(4, 8), (1, 6), (8, 33)])
+def test_hub_attention(split, device, idx, dtype, terms, heads, C):
+    """The GAT path (a_src + a_dst [+ a_edge], leaky relu [, dropout mask]),
+    forward and backward: the backward's CSC pass sees the hub column."""
+    rowptr, col, Ns = hub_graph(split, idx, device)
+    N, E, H = rowptr.numel() - 1, col.numel(), heads
+    mk = lambda *shape: _leaf(torch.randn(*shape, device=device), dtype)
+    with_edge = 'edge' in terms
+    a_src, a_dst, v = mk(Ns, H), mk(N, H), mk(Ns, H, C)
+    a_edge = mk(E, H) if with_edge else None
+    mask = ((torch.rand(E, H, device=device) > 0.3).to(dtype) / 0.7
+            if 'mask' in terms else None)
+
+    def fn(a_src, a_dst, a_edge, v):
+        return ops.attention(rowptr, col, v, a_src, a_dst, a_edge, mask, 0.2)
+
+    def ref(a_src, a_dst, a_edge, v):
+        m = mask.double() if mask is not None else None
+        return R.attention(rowptr, col, a_src, a_dst, a_edge, m, v, 0.2)[0]
+
+    _check(fn, ref, [a_src, a_dst, a_edge, v], dtype)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('dtype', DTYPES)
+def test_hub_attention_backward_kernel(split, device, idx, dtype):
+    """attention_backward directly, in both grad_z orders, with -inf scores
+    (a row whose scores are all -inf has no weight) and lse from the
+    forward kernel."""
+    K = torch.ops.pyg_fastattn
+    rowptr, col, Ns = hub_graph(split, idx, device)
+    N, E, H, C = rowptr.numel() - 1, col.numel(), 4, 8
+    d = dict(dtype=dtype, device=device)
+    a_src, a_dst = torch.randn(Ns, H, **d), torch.randn(N, H, **d)
+    a_edge, v = torch.randn(E, H, **d), torch.randn(Ns, H, C, **d)
+    a_edge[::5, 1] = float('-inf')
+    mask = (torch.rand(E, H, **d) > 0.3).to(dtype) * 1.5
+    out, lse = K.attention(rowptr, col, a_src, a_dst, a_edge, mask, v, 0.2,
+                           None, None, None, None, None)
+    ref_out, ref_lse = R.attention(rowptr, col, a_src.double(), a_dst.double(),
+                                   a_edge.double(), mask.double(), v.double(), 0.2)
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else {}
+    torch.testing.assert_close(out.double(), ref_out, **tol)
+    torch.testing.assert_close(lse.double(), ref_lse, **tol)
+    go = torch.randn_like(out)
+    csc = ops.csr_to_csc(rowptr, col, Ns)
+    for csr_order in (False, True):
+        args = (rowptr, col, *csc[:3], a_src, a_dst, a_edge, mask, v, 0.2, out,
+                lse, go, csr_order)
+        got = K.attention_backward(*args)
+        want = R.attention_backward(*[a.double() if torch.is_tensor(a)
+                                      and a.is_floating_point() else a
+                                      for a in args])
+        for g, w in zip(got, want):
+            scale = max(1.0, w.abs().max().item())
+            torch.testing.assert_close(g.double(), w, atol=(tol.get('atol', 1e-10)) * scale,
+                                       rtol=tol.get('rtol', 1e-10))
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('heads,C', [(1, 8), (4, 7), (2, 40)])
+def test_hub_spmm(split, device, idx, dtype, heads, C):
+    rowptr, col, Ns = hub_graph(split, idx, device)
+    E = col.numel()
+    w = _leaf(torch.randn(E, heads, device=device), dtype)
+    v = _leaf(torch.randn(Ns, heads, C, device=device), dtype)
+    _check(lambda w, v: ops.spmm(rowptr, col, w, v),
+           lambda w, v: R.spmm(rowptr, col, w, None, v), [w, v], dtype)
+    _check(lambda v: ops.spmm(rowptr, col, None, v),
+           lambda v: R.spmm(rowptr, col, None, None, v), [v], dtype)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('heads', [1, 4, 8, 24])
+def test_hub_segment_sum(split, device, idx, dtype, heads):
+    """segment_sum (grad_a_dst's CSR row sums in the GAT backward), with and
+    without perm; 24 heads of float64 take the wide (spmm) kernel on CUDA."""
+    rowptr, col, _ = hub_graph(split, idx, device)
+    E = col.numel()
+    src = _leaf(torch.randn(E, heads, device=device), dtype)
+    perm = torch.randperm(E, device=device).to(idx)
+    _check(lambda s: ops.segment_sum(rowptr, s, perm),
+           lambda s: R.segment_sum(rowptr, perm, s), [src], dtype)
+    _check(lambda s: ops.segment_sum(rowptr, s),
+           lambda s: R.segment_sum(rowptr, None, s), [src], dtype)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('idx', IDX)
+def test_hub_sddmm(split, device, idx):
+    """sddmm is edge-parallel (no rows): hub graphs need nothing special; the
+    hub's edges still must come out right."""
+    rowptr, col, Ns = hub_graph(split, idx, device)
+    N = rowptr.numel() - 1
+    row = torch.repeat_interleave(torch.arange(N, device=device),
+                                  (rowptr[1:] - rowptr[:-1]).long()).to(idx)
+    a = _leaf(torch.randn(N, 4, 8, device=device), torch.float64)
+    b = _leaf(torch.randn(Ns, 4, 8, device=device), torch.float64)
+    _check(lambda a, b: ops.sddmm(a, b, row, col),
+           lambda a, b: (a[row] * b[col]).sum(-1), [a, b], torch.float64)
+
+
+def _bitwise(xs, ys, what):
+    for k, (x, y) in enumerate(zip(xs, ys)):
+        assert torch.equal(x, y), f'{what}: output {k} differs between runs'
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
+def test_hub_deterministic(split, device, dtype):
+    """Two runs of the attention forward and backward and of edge_softmax
+    (forward and backward) on a hub graph are bitwise equal; on the CPU also
+    with 1 and with 2 threads (the split into chunks does not depend on the
+    thread count)."""
+    if dtype == torch.float16 and device == 'cpu':
+        dtype = torch.bfloat16
+    rowptr, col, Ns = hub_graph(split, torch.int64, device)
+    N, E, H, C = rowptr.numel() - 1, col.numel(), 4, 16
+    g = torch.Generator(device=device).manual_seed(3)
+    rn = lambda *shape: torch.randn(*shape, device=device, generator=g,
+                                    dtype=torch.float32).to(dtype)
+    a_src, a_dst, a_edge, v = rn(Ns, H), rn(N, H), rn(E, H), rn(Ns, H, C)
+    mask = (rn(E, H) > 0).to(dtype) * 2
+    scores, gy = rn(E, H), rn(E, H)
+    go = rn(N, H, C)
+
+    def run():
+        leaves = [t.clone().requires_grad_() for t in (a_src, a_dst, a_edge, v)]
+        out = ops.attention(rowptr, col, leaves[3], *leaves[:3], mask, 0.2)
+        grads = torch.autograd.grad(out, leaves, go)
+        s = scores.clone().requires_grad_()
+        y = ops.edge_softmax(s, rowptr)
+        gs, = torch.autograd.grad(y, s, gy)
+        return [out, *grads, y, gs]
+
+    first = run()
+    _bitwise(first, run(), 'second run')
+    if device == 'cpu':
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                _bitwise(first, run(), f'{n} thread(s)')
+        finally:
+            torch.set_num_threads(threads)
