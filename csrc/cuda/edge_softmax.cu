@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kBlock)
           [&](int64_t k, int h, A& m_, A& s_) {
             const A* p = a.part + (win_slot(k0 + k, rs, chunk) * H + h) * 2;
             if (kBwd)
-              s_ += p[0];
+              s_ += p[1];  // the part kernel stores (max, sum): d is the sum
             else
               online_merge(m_, s_, p[0], p[1]);
           },
