@@ -121,7 +121,7 @@ def sddmm_csr(rowptr: Tensor, col: Tensor, a: Tensor, b: Tensor,
     if a.shape[1:] != b.shape[1:]:
         raise ValueError(f'`a` and `b` must agree beyond dim 0, got '
                          f'{tuple(a.shape)} and {tuple(b.shape)}')
-    if a.dtype != b.dtype:
+    if a.dtype != b.dtype and not torch.is_autocast_enabled(a.device.type):
         raise TypeError(f'`a` and `b` must have one dtype, got {a.dtype} and '
                         f'{b.dtype}')
     if validate:
