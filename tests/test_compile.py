@@ -45,6 +45,8 @@ def _op_cases(device, idx):
         ('edge_softmax', (rowptr, s)),
         ('edge_softmax_backward', (rowptr, nd(s).softmax(0), torch.randn_like(nd(s)))),
         ('sddmm_dot', (torch.randn(N, H, C, **d), v, row, col)),
+        ('sddmm_csr', (torch.randn(N, H, C, **d), v, rowptr, col, row,
+                       *tuple(csc)[:3])),
         ('spmm', (rowptr, col, s, None, v, None, None, None)),
         ('spmm', (rowptr, col, s, None, v, *tuple(csc)[:3])),
         ('segment_sum', (rowptr, csc.inv, s)),
