@@ -18,6 +18,10 @@
 #   ops    benchmarks/bench_ops.py --device $DEV
 #   gat    benchmarks/bench_gat.py --device $DEV --cuda-graph
 #   profile  benchmarks/profile_gat.py --device $DEV (not in the default set)
+#   ddp    examples/train_ddp.py under torchrun (NCCL), 1 process and one
+#          per visible GPU when there are several (not in the default set)
+#
+# BENCH_ONLY / BENCH_PROVIDERS: --only / --providers of bench_gat.py.
 #
 # Time: the whole run stays within GPU_CHECK_BUDGET seconds (default 530, so
 # one device call of <= ~9 minutes suffices). Each step runs under `timeout`
@@ -64,7 +68,7 @@ RESERVE=15 # for the final collection
 START=$SECONDS
 
 # ---------------------------------------------------------------- arguments
-want_info=1 want_build=0 want_tests=0 want_ops=0 want_gat=0 want_profile=0
+want_info=1 want_build=0 want_tests=0 want_ops=0 want_gat=0 want_profile=0 want_ddp=0
 cuda_only=0 quick=""
 if [ $# -eq 0 ]; then
     want_build=1 want_tests=1 want_ops=1 want_gat=1
@@ -77,6 +81,7 @@ for a in "$@"; do
         tests | test) want_tests=1 ;;
         cudatests) want_tests=1 cuda_only=1 ;;
         profile) want_profile=1 ;;
+        ddp) want_ddp=1 ;;
         ops) want_ops=1 ;;
         gat) want_gat=1 ;;
         bench) want_ops=1 want_gat=1 ;;
@@ -86,18 +91,18 @@ for a in "$@"; do
             exit 0
             ;;
         *)
-            echo "unknown step '$a' (info build tests ops gat bench all quick)" >&2
+            echo "unknown step '$a' (info build tests cudatests ops gat bench profile ddp all quick)" >&2
             exit 2
             ;;
     esac
 done
 
 # min seconds reserved for each later step (so early steps cannot starve them)
-MIN_TESTS_CUDA=45 MIN_TESTS=60 MIN_OPS=90 MIN_GAT=120 MIN_PROFILE=60
+MIN_TESTS_CUDA=45 MIN_TESTS=60 MIN_OPS=90 MIN_GAT=120 MIN_PROFILE=60 MIN_DDP=40
 
 reserved_after() { # sum of the minimum shares of the wanted steps after $1
     local s=0 seen=0 st
-    for st in info build tests_cuda tests ops gat profile; do
+    for st in info build tests_cuda tests ops gat profile ddp; do
         if [ $seen -eq 1 ]; then
             case $st in
                 tests_cuda) [ $want_tests -eq 1 ] && s=$((s + MIN_TESTS_CUDA)) ;;
@@ -105,6 +110,7 @@ reserved_after() { # sum of the minimum shares of the wanted steps after $1
                 ops) [ $want_ops -eq 1 ] && s=$((s + MIN_OPS)) ;;
                 gat) [ $want_gat -eq 1 ] && s=$((s + MIN_GAT)) ;;
                 profile) [ $want_profile -eq 1 ] && s=$((s + MIN_PROFILE)) ;;
+                ddp) [ $want_ddp -eq 1 ] && s=$((s + MIN_DDP)) ;;
             esac
         fi
         [ "$st" = "$1" ] && seen=1
@@ -175,7 +181,7 @@ collect() {
     } >"$OUT/summary.txt" 2>/dev/null
     tail_into "$OUT/build.log" 400 "$LOGS/build.log"
     tail_into "$OUT/tests.log" 400 "$LOGS/tests_cuda.log" "$LOGS/tests.log" "$LOGS"/tests_*.part
-    tail_into "$OUT/bench.log" 300 "$LOGS/ops.log" "$LOGS/gat.log"
+    tail_into "$OUT/bench.log" 300 "$LOGS/ops.log" "$LOGS/gat.log" "$LOGS/ddp.log"
     tail_into "$OUT/profile.log" 600 "$LOGS/profile.log"
     for f in "ops_$DEV.md" "gat_$DEV.md" "gat_$DEV.png"; do
         [ -f "$BENCH/$f" ] && cp "$BENCH/$f" "$OUT/$f"
@@ -307,11 +313,21 @@ if [ $want_ops -eq 1 ]; then
 fi
 
 if [ $want_gat -eq 1 ]; then
-    run_step gat "${T_GAT:-240}" "python3 benchmarks/bench_gat.py --device $DEV --cuda-graph --out '$BENCH' --budget-s \$(( STEP_LIMIT > 120 ? STEP_LIMIT - 60 : STEP_LIMIT / 2 )) $quick"
+    run_step gat "${T_GAT:-240}" "python3 benchmarks/bench_gat.py --device $DEV --cuda-graph --out '$BENCH' --budget-s \$(( STEP_LIMIT > 120 ? STEP_LIMIT - 60 : STEP_LIMIT / 2 )) $quick ${BENCH_ONLY:+--only '$BENCH_ONLY'} ${BENCH_PROVIDERS:+--providers '$BENCH_PROVIDERS'}"
 fi
 
 if [ $want_profile -eq 1 ]; then
     run_step profile "${T_PROFILE:-120}" "python3 benchmarks/profile_gat.py --device $DEV"
+fi
+
+if [ $want_ddp -eq 1 ]; then
+    run_step ddp "${T_DDP:-120}" '
+n=$(python3 -c "import torch; print(torch.cuda.device_count())")
+for p in 1 $([ "$n" -gt 1 ] && echo "$n"); do
+    echo "== $p process(es)"
+    python3 -m torch.distributed.run --standalone --nproc_per_node $p \
+        examples/train_ddp.py --device cuda --epochs 100 || exit $?
+done'
 fi
 
 collect
