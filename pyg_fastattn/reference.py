@@ -92,6 +92,11 @@ def sddmm_dot(a: Tensor, b: Tensor, a_idx: Tensor, b_idx: Tensor) -> Tensor:
     return (out * ok.view(-1, 1)).to(a.dtype)
 
 
+def sddmm_csr(a: Tensor, b: Tensor, rowptr: Tensor, col: Tensor, row: Tensor,
+              colptr: Tensor, csc_row: Tensor, csc_perm: Tensor) -> Tensor:
+    return sddmm_dot(a, b, row, col)
+
+
 def spmm(rowptr: Tensor, col: Tensor, weight: Optional[Tensor],
          weight_perm: Optional[Tensor], values: Tensor,
          colptr: Optional[Tensor] = None, csc_row: Optional[Tensor] = None,

@@ -2,19 +2,19 @@
 from typing import Optional, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.parameter import UninitializedParameter
 from torch_geometric.nn.conv import GATConv
 from torch_geometric.nn.dense.linear import Linear
 
 from .. import ops
-from .graph import PreparedGraph, _sparse_tensor_cls, get_graph, is_sparse_adj
+from .base import AdditiveScore, FusedAttentionConv
+from .graph import PreparedGraph
 
 __all__ = ['FastGATConv']
 
 
-class FastGATConv(GATConv):
+class FastGATConv(FusedAttentionConv, GATConv):
     r"""A drop-in :class:`torch_geometric.nn.conv.GATConv` that runs the
     attention (scores, per-destination softmax, dropout, aggregation) in one
     fused kernel and never materializes per-edge messages.
@@ -67,9 +67,22 @@ class FastGATConv(GATConv):
     ``aggr`` other than ``'add'``, ``flow='target_to_source'`` and explain
     mode.
     """
-    def _fast_path(self) -> bool:
-        return (self.aggr in ('add', 'sum') and self.flow == 'source_to_target'
-                and not self._explain)
+    def compute_score(self, graph: PreparedGraph, x_src: Tensor,
+                      x_dst: Optional[Tensor],
+                      edge_attr: Optional[Tensor]) -> AdditiveScore:
+        """GAT's additive score terms from ``x_src`` [Ns, H, C], ``x_dst``
+        [N, H, C] or None and ``edge_attr`` [E', D] (CSR order). Used when
+        attention weights are returned; otherwise the fused op computes the
+        node terms itself."""
+        a_edge = None
+        if edge_attr is not None and self.lin_edge is not None:
+            self.materialize(self.lin_edge, edge_attr)
+            a_edge = self.per_edge_cast(edge_attr @ self._edge_weight(),
+                                        x_src.dtype, x_src.device)
+        return AdditiveScore(
+            (x_src * self.att_src).sum(dim=-1),  # [Ns, H]
+            None if x_dst is None else (x_dst * self.att_dst).sum(-1),
+            a_edge, self.negative_slope)
 
     def forward(  # noqa: F811
         self,
@@ -80,7 +93,7 @@ class FastGATConv(GATConv):
         return_attention_weights: Optional[bool] = None,
     ):
         r"""Runs the layer; see the class docstring for shapes."""
-        if not self._fast_path():
+        if not self.fused_path():
             if isinstance(edge_index, PreparedGraph):
                 raise ValueError(
                     'a PreparedGraph needs the fused path (aggr="add", '
@@ -117,46 +130,16 @@ class FastGATConv(GATConv):
             if x_dst is not None:
                 x_dst = lin_dst(x_dst).view(-1, H, C)
 
-        graph = self._graph(edge_index, x_src, x_dst, size, edge_attr)
-        if graph.device != x_src.device:
-            raise ValueError(f'`edge_index` is on {graph.device} but `x` is '
-                             f'on {x_src.device}')
-        a_edge_aug = self._edge_scores(edge_attr, graph)  # [E', H] or None
-        a_edge = None if a_edge_aug is None else a_edge_aug[graph.csr_perm]
-
-        mask = None
-        if self.training and self.dropout > 0:
-            mask = self._dropout_mask(graph.num_aug, H, x_src)
-
-        h_src, h_dst = x_src, x_dst
-        att_src, att_dst = self.att_src, self.att_dst
-        # Under autocast the ops cast every float input themselves.
-        autocast = torch.is_autocast_enabled(x_src.device.type)
-        dt = x_src.dtype if lin_x is None else self.lin.weight.dtype
-        cast = lambda t: t if t is None or autocast else t.to(dt)  # noqa: E731
-        a_edge, mask = cast(a_edge), cast(mask)
-
-        bias = self.bias
+        graph = self.prepare_graph(edge_index, x_src, x_dst, size, edge_attr)
+        bias, weights = self.bias, None
         if return_attention_weights:
-            a_src = (x_src * self.att_src).sum(dim=-1)  # [Ns, H]
-            a_dst = None if x_dst is None else (x_dst * self.att_dst).sum(-1)
-            out, lse = ops.attention(graph.rowptr, graph.col, h_src, a_src,
-                                     a_dst, a_edge, mask, self.negative_slope,
-                                     csc=graph.csc, return_lse=True)
-        else:  # score terms (and the bias) inside the fused op: one node
-            shared = h_dst is h_src
-            # out + bias is the same [N, H * C] sum when nothing comes between
-            fuse = (bias is not None and res is None
-                    and (autocast or bias.dtype == dt)
-                    and (self.concat or H == 1))
-            out = ops.gat_attention(
-                graph.rowptr, graph.col, graph.csc,
-                None if lin_x is not None else h_src, att_src,
-                None if shared else h_dst, att_dst, a_edge, mask,
-                self.negative_slope, dst_is_src=shared,
-                bias=bias if fuse else None, x=lin_x,
-                weight=None if lin_x is None else self.lin.weight)
-            if fuse:
+            ea = edge_attr if self.lin_edge is not None else None
+            out, weights = self.fused_propagate(graph, x_src, x_src, x_dst, ea,
+                                                edge_index, True)
+        else:
+            out, fused_bias = self._gat_attention(
+                graph, x_src, x_dst, lin_x, edge_attr, fuse_bias=res is None)
+            if fused_bias:
                 bias = None
 
         if self.concat or H == 1:  # the mean of one head is that head
@@ -169,11 +152,37 @@ class FastGATConv(GATConv):
             out = out + bias
 
         if return_attention_weights:
-            return out, self._attention_weights(graph, a_src, a_dst, a_edge,
-                                                mask, lse, edge_index)
+            return out, weights
         return out
 
     # Helpers ################################################################
+
+    def _gat_attention(self, graph: PreparedGraph, x_src: Tensor,
+                       x_dst: Optional[Tensor], lin_x: Optional[Tensor],
+                       edge_attr: Optional[Tensor], fuse_bias: bool):
+        """The hot path: scores, softmax, dropout, aggregation (and lin(x)
+        and the bias when they can go in) in one op."""
+        H = self.heads
+        a_edge_aug = self._edge_scores(edge_attr, graph)  # [E', H] or None
+        a_edge = None if a_edge_aug is None else a_edge_aug[graph.csr_perm]
+        mask = self.dropout_mask(graph.num_aug, H, x_src)
+        autocast = torch.is_autocast_enabled(x_src.device.type)
+        dt = x_src.dtype if lin_x is None else self.lin.weight.dtype
+        a_edge = self.per_edge_cast(a_edge, dt, x_src.device)
+        mask = self.per_edge_cast(mask, dt, x_src.device)
+        shared = x_dst is x_src
+        bias = self.bias
+        # out + bias is the same [N, H * C] sum when nothing comes between
+        fuse = (fuse_bias and bias is not None
+                and (autocast or bias.dtype == dt)
+                and (self.concat or H == 1))
+        return ops.gat_attention(
+            graph.rowptr, graph.col, graph.csc,
+            None if lin_x is not None else x_src, self.att_src,
+            None if shared else x_dst, self.att_dst, a_edge, mask,
+            self.negative_slope, dst_is_src=shared,
+            bias=bias if fuse else None, x=lin_x,
+            weight=None if lin_x is None else self.lin.weight), fuse
 
     def _fused_lin(self, x: Tensor, want_weights) -> bool:
         """Whether ``lin(x)`` can run inside the fused op: PyG's own bias-free
@@ -186,187 +195,22 @@ class FastGATConv(GATConv):
                 and (x.dtype == lin.weight.dtype
                      or torch.is_autocast_enabled(x.device.type)))
 
-    def _graph(self, edge_index, x_src: Tensor, x_dst: Optional[Tensor],
-               size, edge_attr: Optional[Tensor]) -> PreparedGraph:
-        """Resolve the prepared graph and check node counts as PyG does."""
-        Ns = x_src.size(0)
-        if is_sparse_adj(edge_index):
-            is_torch_sparse = isinstance(edge_index, Tensor)
-            if self.add_self_loops and (
-                    edge_attr is not None if is_torch_sparse else
-                    self.edge_dim is not None):
-                raise NotImplementedError(
-                    "The usage of 'edge_attr' and 'add_self_loops' "
-                    "simultaneously is currently not yet supported for "
-                    "'edge_index' in a sparse form (as in GATConv)")
-            if (self.add_self_loops and is_torch_sparse
-                    and edge_index.layout == torch.sparse_csc):
-                raise ValueError(
-                    "add_self_loops=True needs a COO or CSR adjacency "
-                    "(as in GATConv); got a CSC tensor")
-            Nd = x_dst.size(0) if x_dst is not None else edge_index.size(0)
-            return get_graph(edge_index, Ns, Nd, self.add_self_loops)
-
-        if size is not None:
-            if size[0] is not None and size[0] != Ns:
-                raise ValueError(f'Encountered tensor with size {Ns} in '
-                                 f'dimension 0, but expected size {size[0]}.')
-            if (x_dst is not None and size[1] is not None
-                    and size[1] != x_dst.size(0)):
-                raise ValueError(f'Encountered tensor with size '
-                                 f'{x_dst.size(0)} in dimension 0, but '
-                                 f'expected size {size[1]}.')
-
-        if isinstance(edge_index, PreparedGraph):
-            g = edge_index
-            Nd = (x_dst.size(0) if x_dst is not None else
-                  size[1] if size is not None else g.num_dst)
-            if g.num_src != Ns or g.num_dst != Nd:
-                raise ValueError(
-                    f'the PreparedGraph has {g.num_src} source and '
-                    f'{g.num_dst} destination nodes, but the inputs have '
-                    f'{Ns} and {Nd}')
-            if g.add_self_loops != bool(self.add_self_loops):
-                raise ValueError(
-                    f'the PreparedGraph was prepared with add_self_loops='
-                    f'{g.add_self_loops} but the layer has add_self_loops='
-                    f'{self.add_self_loops}')
-            return g
-
-        if isinstance(edge_index, Tensor):
-            Nd = (x_dst.size(0) if x_dst is not None else
-                  size[1] if size is not None and size[1] is not None else Ns)
-            return get_graph(edge_index, Ns, Nd, self.add_self_loops)
-
-        raise TypeError(
-            '`edge_index` must be a [2, E] integer tensor, a torch.sparse '
-            'adjacency (COO/CSR/CSC, rows = destinations), a '
-            'torch_sparse.SparseTensor (when torch_sparse is installed) or a '
-            f'pyg_fastattn.PreparedGraph; got {type(edge_index).__name__}')
+    def _edge_weight(self) -> Tensor:
+        """``att_edge`` folded into ``lin_edge``'s weight: W_eff [D, H]."""
+        H, C = self.heads, self.out_channels
+        w = self.lin_edge.weight.view(H, C, -1)
+        return (w * self.att_edge.view(H, C, 1)).sum(dim=1).t()
 
     def _edge_scores(self, edge_attr: Optional[Tensor],
                      graph: PreparedGraph) -> Optional[Tensor]:
         """Edge term of the scores in augmented order: [E', H] or None."""
         if edge_attr is None or self.lin_edge is None or graph.num_aug == 0:
             return None
-        ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
-        if ea.size(0) != graph.num_edges:
-            raise ValueError(f'`edge_attr` must have one row per edge '
-                             f'({graph.num_edges}), got {ea.size(0)}')
-        if isinstance(self.lin_edge.weight, UninitializedParameter):
-            self.lin_edge(ea[:0])  # materialize the lazy weight
-        H, C = self.heads, self.out_channels
-        # Fold att_edge into lin_edge: W_eff [D, H].
-        w = self.lin_edge.weight.view(H, C, -1)
-        w_eff = (w * self.att_edge.view(H, C, 1)).sum(dim=1).t()
+        ea = self.check_edge_attr(edge_attr, graph)
+        self.materialize(self.lin_edge, ea)
+        w_eff = self._edge_weight()
         a_edge = ea @ w_eff
         if graph.num_loops > 0:
-            a_loop = self._loop_attr(ea, graph) @ w_eff
+            a_loop = self.loop_edge_attr(ea, graph) @ w_eff
             a_edge = torch.cat([a_edge, a_loop], dim=0)
         return a_edge
-
-    def _loop_attr(self, ea: Tensor, graph: PreparedGraph) -> Tensor:
-        """Edge features of the added loops, as ``add_self_loops`` computes
-        them, without data-dependent shapes: [L, D]."""
-        L, D = graph.num_loops, ea.size(1)
-        fv = self.fill_value
-        if fv is None:
-            return ea.new_ones((L, D))
-        if isinstance(fv, (int, float)):
-            return ea.new_full((L, D), fv)
-        if isinstance(fv, Tensor):
-            return fv.to(ea.device, ea.dtype).expand(L, D)
-        if not isinstance(fv, str):
-            raise AttributeError("No valid 'fill_value' provided")
-        idx = graph.fill_index  # [E]; L = does not count (extra slot)
-        if fv in ('add', 'sum', 'mean'):
-            # Deterministic (no atomics): sum each CSR row of the kept input
-            # edges; the row's own added loop contributes a zero row.
-            ea_aug = torch.cat([ea, ea.new_zeros((L, D))])
-            out = ops.segment_sum(graph.rowptr, ea_aug, graph.csr_perm)[:L]
-            if fv == 'mean':  # each of the first L rows holds one added loop
-                cnt = (graph.rowptr[1:L + 1] - graph.rowptr[:L] - 1).clamp(min=1)
-                out = out / cnt.to(ea.dtype).view(-1, 1)
-            return out
-        elif fv in ('max', 'min', 'amax', 'amin'):
-            out = ea.new_zeros((L + 1, D)).scatter_reduce(
-                0, idx.view(-1, 1).expand_as(ea), ea, f'a{fv[-3:]}',
-                include_self=False)
-        elif fv == 'mul':
-            out = ea.new_ones((L + 1, D)).scatter_reduce(
-                0, idx.view(-1, 1).expand_as(ea), ea, 'prod',
-                include_self=True)
-        else:
-            raise ValueError(f"Encountered invalid `fill_value` '{fv}'")
-        return out[:L]
-
-    def _dropout_mask(self, E: int, H: int, like: Tensor) -> Tensor:
-        """Dropout multiplier [E, H]: keep / (1 - p), fresh on every
-        CUDA-graph replay."""
-        p = float(self.dropout)
-        if p >= 1.0:
-            return like.new_zeros((E, H))
-        scale = 1.0 / (1.0 - p)
-        if like.device.type == 'cpu':  # torch's CPU bernoulli_ is ~2.5x slower
-            mask = torch.rand((E, H)).ge_(p).mul_(scale)  # float32
-            return mask if like.dtype == torch.float32 else mask.to(like.dtype)
-        # GPU: two kernels on one [E, H] buffer (rand + ge_ + mul_ take three).
-        mask = torch.empty((E, H), device=like.device, dtype=like.dtype)
-        return mask.bernoulli_(1.0 - p).mul_(scale)
-
-    def _attention_weights(self, graph: PreparedGraph, a_src: Tensor,
-                           a_dst: Optional[Tensor], a_edge: Optional[Tensor],
-                           mask: Optional[Tensor], lse: Tensor, edge_index):
-        """(edge_index', alpha) in GATConv's order; only [E'', H] memory."""
-        H = self.heads
-        pos = graph.kept_positions()  # CSR positions, GATConv order
-        src, dst = graph.col[pos].long(), graph.dst_of(pos)
-        z = a_src[src]
-        if a_dst is not None:
-            z = z + a_dst[dst]
-        if a_edge is not None:
-            z = z + a_edge[pos]
-        s = F.leaky_relu(z, self.negative_slope)
-        # Softmax per destination, shifted by the kernel's row log-sum-exp
-        # (any per-row shift is exact; the normalization keeps it
-        # differentiable).
-        t = lse.dtype
-        ex = torch.exp(s.to(t) - lse.detach()[dst])
-        den = ex.new_zeros((graph.num_dst, H)).index_add(0, dst, ex)
-        alpha = (ex / den[dst]).to(a_src.dtype)
-        if mask is not None:
-            alpha = alpha * mask[pos]
-        return _format_weights(graph, src, dst, alpha, edge_index)
-
-
-def _format_weights(graph: PreparedGraph, src: Tensor, dst: Tensor,
-                    alpha: Tensor, edge_index):
-    """Shape the attention weights like GATConv for the input's form."""
-    layout = graph.layout
-    if layout == 'edge_index':
-        dtype = torch.int64 if graph.add_self_loops else graph.index_dtype
-        return torch.stack([src, dst]).to(dtype), alpha
-    Nd, Ns = graph.num_dst, graph.num_src
-    if graph.add_self_loops:  # GATConv coalesces: sort by (dst, src)
-        order = torch.argsort(dst * max(Ns, 1) + src, stable=True)
-        src, dst, alpha = src[order], dst[order], alpha[order]
-    size = (Nd, Ns) + tuple(alpha.shape[1:])
-    if layout == 'sparse_tensor':
-        SparseTensor = _sparse_tensor_cls()
-        adj = SparseTensor(row=dst, col=src, value=alpha,
-                           sparse_sizes=(Nd, Ns), is_sorted=True)
-        return adj
-    coo = torch.sparse_coo_tensor(torch.stack([dst, src]), alpha, size)
-    if layout == 'coo':
-        adj = coo.coalesce()
-    elif layout == 'csr' and graph.add_self_loops:
-        adj = torch.sparse_csr_tensor(
-            torch.ops.aten._convert_indices_from_coo_to_csr(dst, Nd),
-            src, alpha, size)
-    elif layout == 'csr':  # keep the input's CSR structure
-        adj = torch.sparse_csr_tensor(edge_index.crow_indices(),
-                                      edge_index.col_indices(), alpha, size)
-    else:  # csc, no self-loops (GATConv cannot add loops to CSC)
-        adj = torch.sparse_csc_tensor(edge_index.ccol_indices(),
-                                      edge_index.row_indices(), alpha, size)
-    return adj, alpha

@@ -1,0 +1,403 @@
+"""``FusedAttentionConv``: the part of a fused attention layer that is not
+its score.
+
+A layer built on it supplies how edges are scored; the base owns the graph
+(preparation, caching, self-loop removal and addition with ``fill_value``),
+attention dropout, the dtype/autocast policy, the call into the fused
+softmax + aggregation kernels and ``return_attention_weights``.
+"""
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.parameter import UninitializedParameter
+from torch_geometric.nn.conv import MessagePassing
+
+from .. import ops
+from .graph import PreparedGraph, _sparse_tensor_cls, get_graph, is_sparse_adj
+
+__all__ = ['FusedAttentionConv', 'AdditiveScore']
+
+
+@dataclass
+class AdditiveScore:
+    r"""A score the fused ``attention`` kernel computes itself, per edge
+    ``e = (j -> i)`` and head ``h``::
+
+        s[e, h] = leaky_relu(a_src[j, h] + a_dst[i, h] + a_edge[e, h],
+                             negative_slope)
+
+    Absent terms are 0; ``negative_slope=1.0`` is the identity, so a
+    precomputed per-edge score (a dot product from ``sddmm``, say) is
+    ``AdditiveScore(a_edge=s, negative_slope=1.0)``.
+
+    Shapes (``Ns`` sources, ``N`` destinations, ``E' = graph.num_aug``):
+    ``a_src`` [Ns, H], ``a_dst`` [N, H], ``a_edge`` [E', H] in CSR order
+    (``graph.csr_perm`` maps augmented to CSR order). All are differentiable.
+    """
+    a_src: Optional[Tensor] = None
+    a_dst: Optional[Tensor] = None
+    a_edge: Optional[Tensor] = None
+    negative_slope: float = 1.0
+
+
+class FusedAttentionConv(MessagePassing):
+    r"""Base of attention layers that run on the fused kernels: softmax over
+    each destination's in-edges and the weighted sum of source values in one
+    pass, without per-edge messages.
+
+    A subclass computes its projections and its score; the base does the
+    rest. The usual forward of a subclass is::
+
+        graph = self.prepare_graph(edge_index, x_src, x_dst, size, edge_attr)
+        out, weights = self.fused_propagate(graph, values, x_src, x_dst,
+                                            edge_attr, edge_index,
+                                            return_attention_weights)
+
+    which calls the hooks below. Shapes: ``H`` heads, ``C`` channels per
+    head, ``Ns``/``N`` source/destination nodes, ``E`` input edges,
+    ``E' = E + L`` with ``L`` added self-loops (``graph.num_aug``), ``D``
+    edge features.
+
+    Hooks a subclass implements:
+
+    * :meth:`compute_score` ``(graph, x_src, x_dst, edge_attr) -> score``:
+      ``x_src`` [Ns, ...] and ``x_dst`` [N, ...] or None are whatever the
+      subclass passed to :meth:`fused_propagate`; ``edge_attr`` is [E', D]
+      in CSR order with the added loops' features filled in (or None).
+      Returns a score object; an :class:`AdditiveScore` covers per-node
+      additive terms (GAT) and precomputed per-edge scores (dot products).
+    * :meth:`attend` ``(graph, values, score, mask, return_lse) ->
+      (out, lse)``: only needed for a score that is not an
+      :class:`AdditiveScore`, e.g. one whose per-edge nonlinearity is
+      computed inside its own fused kernel. ``values`` [Ns, H, C],
+      ``mask`` [E', H] (CSR order) or None; ``out`` [N, H, C] (already
+      multiplied by ``mask``), ``lse`` [N, H] the row log-sum-exp of the
+      scores (float32, float64 for float64 inputs) when ``return_lse``.
+    * :meth:`score_at` ``(graph, score, pos, src, dst) -> [K, H]``: the
+      pre-softmax scores of the CSR positions ``pos`` [K] (``src``/``dst``
+      [K] their nodes); only for ``return_attention_weights``, and only
+      needed for a score that is not an :class:`AdditiveScore`.
+
+    Attributes the base reads (PyG's layers have them): ``heads``,
+    ``dropout`` (attention dropout, training only), ``add_self_loops`` and
+    ``fill_value`` (default False and ``'mean'``), ``aggr``/``flow`` (the
+    fused path needs ``'add'`` and ``'source_to_target'``, see
+    :meth:`fused_path`).
+    """
+
+    # Hooks ##################################################################
+
+    def compute_score(self, graph: PreparedGraph, x_src, x_dst,
+                      edge_attr: Optional[Tensor]):
+        """The subclass's score; see the class docstring."""
+        raise NotImplementedError(
+            f'{type(self).__name__} must implement compute_score()')
+
+    def attend(self, graph: PreparedGraph, values: Tensor, score,
+               mask: Optional[Tensor], return_lse: bool
+               ) -> Tuple[Tensor, Optional[Tensor]]:
+        """Softmax + aggregation: ``(out [N, H, C], lse [N, H] or None)``."""
+        if not isinstance(score, AdditiveScore):
+            raise NotImplementedError(
+                f'{type(self).__name__}.attend() must handle a '
+                f'{type(score).__name__} score')
+        out, lse = ops.attention(graph.rowptr, graph.col, values, score.a_src,
+                                 score.a_dst, score.a_edge, mask,
+                                 score.negative_slope, csc=graph.csc,
+                                 return_lse=True)
+        return out, (lse if return_lse else None)
+
+    def score_at(self, graph: PreparedGraph, score, pos: Tensor, src: Tensor,
+                 dst: Tensor) -> Tensor:
+        """Pre-softmax scores [K, H] of the CSR positions ``pos``."""
+        if not isinstance(score, AdditiveScore):
+            raise NotImplementedError(
+                f'{type(self).__name__}.score_at() must handle a '
+                f'{type(score).__name__} score')
+        z = None
+        for t, idx in ((score.a_src, src), (score.a_dst, dst),
+                       (score.a_edge, pos)):
+            if t is not None:
+                z = t[idx] if z is None else z + t[idx]
+        if score.negative_slope == 1.0:
+            return z
+        return F.leaky_relu(z, score.negative_slope)
+
+    # The fused path #########################################################
+
+    def fused_path(self) -> bool:
+        """Whether the fused kernels compute this layer (else the subclass
+        falls back to PyG's message passing)."""
+        return (self.aggr in ('add', 'sum') and self.flow == 'source_to_target'
+                and not self._explain)
+
+    def fused_propagate(self, graph: PreparedGraph, values: Tensor, x_src,
+                        x_dst, edge_attr: Optional[Tensor], edge_index,
+                        return_attention_weights=None, weights_after_dropout:
+                        bool = True):
+        r"""Score, softmax, dropout and aggregation over ``graph``.
+
+        Args:
+            graph: from :meth:`prepare_graph`.
+            values: [Ns, H, C], aggregated per destination.
+            x_src, x_dst: passed to :meth:`compute_score` as they are.
+            edge_attr: [E, D] or [E] in input order, or None.
+            edge_index: the ``edge_index`` the layer got (shapes the
+                returned attention weights).
+            return_attention_weights: also return the attention weights.
+            weights_after_dropout: the returned weights include the dropout
+                mask (GATConv) or not (TransformerConv).
+
+        Returns:
+            ``(out [N, H, C], weights or None)``.
+        """
+        ea = self.edge_attr_csr(edge_attr, graph)
+        score = self.compute_score(graph, x_src, x_dst, ea)
+        mask = self.dropout_mask(graph.num_aug, values.size(1), values)
+        mask = self.per_edge_cast(mask, values.dtype, values.device)
+        want = bool(return_attention_weights)
+        out, lse = self.attend(graph, values, score, mask, want)
+        weights = None
+        if want:
+            weights = self.attention_weights(
+                graph, score, lse, edge_index,
+                mask if weights_after_dropout else None)
+        return out, weights
+
+    @staticmethod
+    def per_edge_cast(t: Optional[Tensor], dtype: torch.dtype,
+                      device: torch.device) -> Optional[Tensor]:
+        """The dtype policy for per-edge inputs of the fused ops: under
+        autocast they stay as they are (the ops cast every float input to
+        the autocast dtype themselves); else they take the values' dtype."""
+        if t is None or torch.is_autocast_enabled(device.type):
+            return t
+        return t.to(dtype)
+
+    # Graph ##################################################################
+
+    def prepare_graph(self, edge_index, x_src: Tensor,
+                      x_dst: Optional[Tensor], size=None,
+                      edge_attr: Optional[Tensor] = None) -> PreparedGraph:
+        """The prepared (cached) graph for ``edge_index``, with node counts
+        checked as PyG does. ``x_src`` [Ns, ...], ``x_dst`` [N, ...] or None
+        (then ``N`` comes from ``size``, the sparse adjacency, or is Ns)."""
+        graph = self._graph(edge_index, x_src, x_dst, size, edge_attr)
+        if graph.device != x_src.device:
+            raise ValueError(f'`edge_index` is on {graph.device} but `x` is '
+                             f'on {x_src.device}')
+        return graph
+
+    def _graph(self, edge_index, x_src: Tensor, x_dst: Optional[Tensor],
+               size, edge_attr: Optional[Tensor]) -> PreparedGraph:
+        loops = bool(getattr(self, 'add_self_loops', False))
+        name = self._pyg_name()
+        Ns = x_src.size(0)
+        if is_sparse_adj(edge_index):
+            is_torch_sparse = isinstance(edge_index, Tensor)
+            if loops and (edge_attr is not None if is_torch_sparse else
+                          getattr(self, 'edge_dim', None) is not None):
+                raise NotImplementedError(
+                    "The usage of 'edge_attr' and 'add_self_loops' "
+                    "simultaneously is currently not yet supported for "
+                    f"'edge_index' in a sparse form (as in {name})")
+            if (loops and is_torch_sparse
+                    and edge_index.layout == torch.sparse_csc):
+                raise ValueError(
+                    "add_self_loops=True needs a COO or CSR adjacency "
+                    f"(as in {name}); got a CSC tensor")
+            Nd = x_dst.size(0) if x_dst is not None else edge_index.size(0)
+            return get_graph(edge_index, Ns, Nd, loops)
+
+        if size is not None:
+            if size[0] is not None and size[0] != Ns:
+                raise ValueError(f'Encountered tensor with size {Ns} in '
+                                 f'dimension 0, but expected size {size[0]}.')
+            if (x_dst is not None and size[1] is not None
+                    and size[1] != x_dst.size(0)):
+                raise ValueError(f'Encountered tensor with size '
+                                 f'{x_dst.size(0)} in dimension 0, but '
+                                 f'expected size {size[1]}.')
+
+        if isinstance(edge_index, PreparedGraph):
+            g = edge_index
+            Nd = (x_dst.size(0) if x_dst is not None else
+                  size[1] if size is not None else g.num_dst)
+            if g.num_src != Ns or g.num_dst != Nd:
+                raise ValueError(
+                    f'the PreparedGraph has {g.num_src} source and '
+                    f'{g.num_dst} destination nodes, but the inputs have '
+                    f'{Ns} and {Nd}')
+            if g.add_self_loops != loops:
+                raise ValueError(
+                    f'the PreparedGraph was prepared with add_self_loops='
+                    f'{g.add_self_loops} but the layer has add_self_loops='
+                    f'{loops}')
+            return g
+
+        if isinstance(edge_index, Tensor):
+            Nd = (x_dst.size(0) if x_dst is not None else
+                  size[1] if size is not None and size[1] is not None else Ns)
+            return get_graph(edge_index, Ns, Nd, loops)
+
+        raise TypeError(
+            '`edge_index` must be a [2, E] integer tensor, a torch.sparse '
+            'adjacency (COO/CSR/CSC, rows = destinations), a '
+            'torch_sparse.SparseTensor (when torch_sparse is installed) or a '
+            f'pyg_fastattn.PreparedGraph; got {type(edge_index).__name__}')
+
+    def _pyg_name(self) -> str:
+        """The PyG layer this one stands in for (for messages)."""
+        for cls in type(self).__mro__:
+            if cls.__module__.startswith('torch_geometric.nn.conv.'):
+                return cls.__name__
+        return type(self).__name__
+
+    # Edge features ##########################################################
+
+    @staticmethod
+    def check_edge_attr(edge_attr: Tensor, graph: PreparedGraph) -> Tensor:
+        """``edge_attr`` as [E, D] (a 1-D one becomes [E, 1]), checked."""
+        ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
+        if ea.size(0) != graph.num_edges:
+            raise ValueError(f'`edge_attr` must have one row per edge '
+                             f'({graph.num_edges}), got {ea.size(0)}')
+        return ea
+
+    def edge_attr_csr(self, edge_attr: Optional[Tensor],
+                      graph: PreparedGraph) -> Optional[Tensor]:
+        """Edge features of every augmented edge, in CSR order: [E', D]
+        (input edges, then the added loops filled as ``fill_value`` says),
+        or None without ``edge_attr``."""
+        if edge_attr is None or graph.num_aug == 0:
+            return None
+        ea = self.check_edge_attr(edge_attr, graph)
+        if graph.num_loops > 0:
+            ea = torch.cat([ea, self.loop_edge_attr(ea, graph)], dim=0)
+        return ea[graph.csr_perm]
+
+    def loop_edge_attr(self, ea: Tensor, graph: PreparedGraph) -> Tensor:
+        """Edge features of the added loops, as PyG's ``add_self_loops``
+        computes them from ``self.fill_value``, without data-dependent
+        shapes: [L, D]. ``ea`` [E, D] in input order."""
+        L, D = graph.num_loops, ea.size(1)
+        fv = getattr(self, 'fill_value', 'mean')
+        if fv is None:
+            return ea.new_ones((L, D))
+        if isinstance(fv, (int, float)):
+            return ea.new_full((L, D), fv)
+        if isinstance(fv, Tensor):
+            return fv.to(ea.device, ea.dtype).expand(L, D)
+        if not isinstance(fv, str):
+            raise AttributeError("No valid 'fill_value' provided")
+        idx = graph.fill_index  # [E]; L = does not count (extra slot)
+        if fv in ('add', 'sum', 'mean'):
+            # Deterministic (no atomics): sum each CSR row of the kept input
+            # edges; the row's own added loop contributes a zero row.
+            ea_aug = torch.cat([ea, ea.new_zeros((L, D))])
+            out = ops.segment_sum(graph.rowptr, ea_aug, graph.csr_perm)[:L]
+            if fv == 'mean':  # each of the first L rows holds one added loop
+                cnt = (graph.rowptr[1:L + 1] - graph.rowptr[:L] - 1).clamp(min=1)
+                out = out / cnt.to(ea.dtype).view(-1, 1)
+            return out
+        elif fv in ('max', 'min', 'amax', 'amin'):
+            out = ea.new_zeros((L + 1, D)).scatter_reduce(
+                0, idx.view(-1, 1).expand_as(ea), ea, f'a{fv[-3:]}',
+                include_self=False)
+        elif fv == 'mul':
+            out = ea.new_ones((L + 1, D)).scatter_reduce(
+                0, idx.view(-1, 1).expand_as(ea), ea, 'prod',
+                include_self=True)
+        else:
+            raise ValueError(f"Encountered invalid `fill_value` '{fv}'")
+        return out[:L]
+
+    @staticmethod
+    def materialize(lin: torch.nn.Module, x: Tensor) -> None:
+        """Initialize a lazy ``Linear`` (``in_channels=-1``) from ``x``."""
+        if isinstance(getattr(lin, 'weight', None), UninitializedParameter):
+            lin(x[:0])
+
+    # Dropout ################################################################
+
+    def dropout_mask(self, E: int, H: int, like: Tensor) -> Optional[Tensor]:
+        """Attention dropout multiplier [E, H] (keep / (1 - p)) in training
+        with ``dropout > 0``, else None; fresh on every CUDA-graph replay."""
+        p = float(self.dropout)
+        if not self.training or p <= 0:
+            return None
+        if p >= 1.0:
+            return like.new_zeros((E, H))
+        scale = 1.0 / (1.0 - p)
+        if like.device.type == 'cpu':  # torch's CPU bernoulli_ is ~2.5x slower
+            mask = torch.rand((E, H)).ge_(p).mul_(scale)  # float32
+            return mask if like.dtype == torch.float32 else mask.to(like.dtype)
+        # GPU: two kernels on one [E, H] buffer (rand + ge_ + mul_ take three).
+        mask = torch.empty((E, H), device=like.device, dtype=like.dtype)
+        return mask.bernoulli_(1.0 - p).mul_(scale)
+
+    # Attention weights ######################################################
+
+    def attention_weights(self, graph: PreparedGraph, score, lse: Tensor,
+                          edge_index, mask: Optional[Tensor] = None):
+        """The attention weights of the edges attended over, in PyG's edge
+        order (input edges without removed self-loops, then the added
+        loops), from the kernel's row log-sum-exp; [E'', H] memory only.
+        Shaped by :meth:`format_attention_weights`."""
+        H = self.heads
+        pos = graph.kept_positions()  # CSR positions, PyG's order
+        src, dst = graph.col[pos].long(), graph.dst_of(pos)
+        s = self.score_at(graph, score, pos, src, dst)
+        # Softmax per destination, shifted by the kernel's row log-sum-exp
+        # (any per-row shift is exact; the normalization keeps it
+        # differentiable).
+        ex = torch.exp(s.to(lse.dtype) - lse.detach()[dst])
+        den = ex.new_zeros((graph.num_dst, H)).index_add(0, dst, ex)
+        alpha = (ex / den[dst]).to(s.dtype)
+        if mask is not None:
+            alpha = alpha * mask[pos]
+        return self.format_attention_weights(graph, src, dst, alpha,
+                                             edge_index)
+
+    def format_attention_weights(self, graph: PreparedGraph, src: Tensor,
+                                 dst: Tensor, alpha: Tensor, edge_index):
+        """Shape the weights as GATConv does for the input's form: an
+        ``(edge_index', alpha)`` pair, a torch.sparse adjacency with ``alpha``
+        values (paired with ``alpha``), or a ``SparseTensor``."""
+        return _format_weights(graph, src, dst, alpha, edge_index)
+
+
+def _format_weights(graph: PreparedGraph, src: Tensor, dst: Tensor,
+                    alpha: Tensor, edge_index):
+    """Shape the attention weights like GATConv for the input's form."""
+    layout = graph.layout
+    if layout == 'edge_index':
+        dtype = torch.int64 if graph.add_self_loops else graph.index_dtype
+        return torch.stack([src, dst]).to(dtype), alpha
+    Nd, Ns = graph.num_dst, graph.num_src
+    if graph.add_self_loops:  # GATConv coalesces: sort by (dst, src)
+        order = torch.argsort(dst * max(Ns, 1) + src, stable=True)
+        src, dst, alpha = src[order], dst[order], alpha[order]
+    size = (Nd, Ns) + tuple(alpha.shape[1:])
+    if layout == 'sparse_tensor':
+        SparseTensor = _sparse_tensor_cls()
+        adj = SparseTensor(row=dst, col=src, value=alpha,
+                           sparse_sizes=(Nd, Ns), is_sorted=True)
+        return adj
+    coo = torch.sparse_coo_tensor(torch.stack([dst, src]), alpha, size)
+    if layout == 'coo':
+        adj = coo.coalesce()
+    elif layout == 'csr' and graph.add_self_loops:
+        adj = torch.sparse_csr_tensor(
+            torch.ops.aten._convert_indices_from_coo_to_csr(dst, Nd),
+            src, alpha, size)
+    elif layout == 'csr':  # keep the input's CSR structure
+        adj = torch.sparse_csr_tensor(edge_index.crow_indices(),
+                                      edge_index.col_indices(), alpha, size)
+    else:  # csc, no self-loops (GATConv cannot add loops to CSC)
+        adj = torch.sparse_csc_tensor(edge_index.ccol_indices(),
+                                      edge_index.row_indices(), alpha, size)
+    return adj, alpha
