@@ -8,5 +8,6 @@ __version__ = '0.1.0'
 
 __all__ = [
     'ops', 'backend_info', '__version__', 'FastGATConv', 'FastGATv2Conv',
-    'FastTransformerConv', 'FusedAttentionConv', 'swap', 'swap_gat', 'prepare', 'PreparedGraph'
+    'FastTransformerConv', 'FusedAttentionConv', 'swap', 'swap_gat', 'prepare',
+    'PreparedGraph'
 ]

@@ -121,6 +121,11 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
             return out, weights
         return out
 
+    def __repr__(self) -> str:
+        # PyG's name, as a drop-in: printouts (and PyG's tests) read the same.
+        return (f'GATv2Conv({self.in_channels}, {self.out_channels}, '
+                f'heads={self.heads})')
+
     # Hooks ##################################################################
 
     def compute_score(self, graph: PreparedGraph, x_l: Tensor, x_r: Tensor,
