@@ -101,6 +101,16 @@ __device__ __forceinline__ A head_sum(A v, int g_log) {
   return xor_sum(v, 1, 1 << g_log);
 }
 
+// idx[p + lane] (or -1 past end): the warp reads 32 edge indices with one
+// coalesced load and hands them out by shuffle, so that no edge waits on
+// its own index load.
+template <typename index_t>
+__device__ __forceinline__ int64_t batch_load(const index_t* __restrict__ idx,
+                                              int64_t p, int64_t end,
+                                              int lane) {
+  return p + lane < end ? static_cast<int64_t>(idx[p + lane]) : int64_t(-1);
+}
+
 template <typename scalar_t, typename index_t>
 struct Gatv2Args {
   using A = acc_t<scalar_t>;
@@ -167,8 +177,9 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row,
 }
 
 // Forward: one warp per (destination row, head tile); the grid is (row
-// blocks of 8 warps, tiles). The warp walks the row's edges one by one: its
-// lanes load x_l[j] (and edge_term[e]) for their slots, form z with x_r[i]
+// blocks of 8 warps, tiles). The warp reads the row's col indices 32 at a
+// time (one coalesced load, handed out by shuffle) and walks the edges one
+// by one: its lanes load x_l[j] (and edge_term[e]) for their slots, form z with x_r[i]
 // (kept in registers, as att), reduce att . leaky(z) per head over the G
 // lanes of the head, update the head's online softmax (max m, sum den) and
 // rescale / accumulate p * mask * x_l[j] into their slots. At the end each
@@ -201,8 +212,10 @@ __global__ void __launch_bounds__(kBlock)
   }
   int64_t start, end;
   row_range(a.rowptr, i, a.E, start, end);
-  for (int64_t e = start; e < end; ++e) {
-    const int64_t j = static_cast<int64_t>(a.col[e]);
+  for (int64_t e = start, jb = 0; e < end; ++e) {
+    const int kb = static_cast<int>((e - start) & (kWarp - 1));
+    if (kb == 0) jb = batch_load(a.col, e, end, lane);
+    const int64_t j = __shfl_sync(kFullMask, jb, kb);
     if (j < 0 || j >= a.Ns) continue;  // warp-uniform
     A xl[S][V], et[S][V], z[S][V], s[NKH];
     load_row<scalar_t, S, V>(a.x_l + j * HC, sl.off, xl);
@@ -319,8 +332,10 @@ __global__ void __launch_bounds__(kBlock)
       for (int k = 0; k < V; ++k) gxr[t][k] = A(0);
     int64_t start, end;
     row_range(a.rowptr, i, a.E, start, end);
-    for (int64_t e = start; e < end; ++e) {
-      const int64_t j = static_cast<int64_t>(a.col[e]);
+    for (int64_t e = start, jb = 0; e < end; ++e) {
+      const int kb = static_cast<int>((e - start) & (kWarp - 1));
+      if (kb == 0) jb = batch_load(a.col, e, end, lane);
+      const int64_t j = __shfl_sync(kFullMask, jb, kb);
       if (j < 0 || j >= a.Ns) {  // warp-uniform: no weight, zero outputs
 #pragma unroll
         for (int kh = 0; kh < NKH; ++kh)
@@ -412,9 +427,14 @@ __global__ void __launch_bounds__(kBlock)
     for (int k = 0; k < V; ++k) gxl[t][k] = A(0);
   int64_t start, end;
   row_range(a.colptr, j, a.E, start, end);
-  for (int64_t q = start; q < end; ++q) {
-    const int64_t i = static_cast<int64_t>(a.csc_row[q]);
-    const int64_t e = static_cast<int64_t>(a.csc_perm[q]);
+  for (int64_t q = start, ib = 0, eb = 0; q < end; ++q) {
+    const int kq = static_cast<int>((q - start) & (kWarp - 1));
+    if (kq == 0) {
+      ib = batch_load(a.csc_row, q, end, lane);
+      eb = batch_load(a.csc_perm, q, end, lane);
+    }
+    const int64_t i = __shfl_sync(kFullMask, ib, kq);
+    const int64_t e = __shfl_sync(kFullMask, eb, kq);
     if (i < 0 || i >= a.N || e < 0 || e >= a.E) continue;  // warp-uniform
     A xr[S][V], go[S][V], et[S][V], z[S][V], s[NKH];
     load_row<scalar_t, S, V>(a.x_r + i * HC, sl.off, xr);
