@@ -184,7 +184,8 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row,
 // lanes of the head, update the head's online softmax (max m, sum den) and
 // rescale / accumulate p * mask * x_l[j] into their slots. At the end each
 // lane stores its slots of out = acc / den and lane cl = 0 of a head the
-// row's lse.
+// row's lse. One warp walks a whole row, so a hub row takes time
+// proportional to its degree (no split of long rows yet).
 template <typename scalar_t, typename index_t, int V, int S, bool HEADS>
 __global__ void __launch_bounds__(kBlock)
     gatv2_fwd_kernel(Gatv2Args<scalar_t, index_t> a, Gatv2Layout L) {
