@@ -151,3 +151,34 @@ void check_attention_backward(const at::Tensor& rowptr, const at::Tensor& col,
                               const c10::optional<at::Tensor>& bias);
 
 }  // namespace pyg_fastattn
+
+// ---------------------------------------------------------------------------
+// gatv2_attention (csrc/ops/gatv2_attention.cpp, csrc/cpu/gatv2_cpu.cpp,
+// csrc/cuda/gatv2.cu).
+namespace pyg_fastattn {
+
+// CPU backward: rows are cut into this many fixed groups of about equal
+// edge count; each group writes one partial of grad_att, summed in group
+// order, so the result does not depend on the thread count.
+constexpr int64_t kGatv2CpuGroups = 256;
+// CUDA backward, destination pass: this many blocks at most (a fixed grid,
+// rows strided over its warps); one grad_att partial per block.
+constexpr int64_t kGatv2CudaBwdBlocks = 2048;
+// CUDA: feature elements a lane keeps per row (registers); heads beyond
+// that go to further tiles of the grid's y dimension.
+constexpr int kGatv2LaneSlots = 4;
+
+void check_gatv2_attention(const at::Tensor& rowptr, const at::Tensor& col,
+                           const at::Tensor& x_l, const at::Tensor& x_r,
+                           const c10::optional<at::Tensor>& edge_term,
+                           const at::Tensor& att,
+                           const c10::optional<at::Tensor>& mask);
+void check_gatv2_attention_backward(
+    const at::Tensor& rowptr, const at::Tensor& col, const at::Tensor& colptr,
+    const at::Tensor& csc_row, const at::Tensor& csc_perm,
+    const at::Tensor& x_l, const at::Tensor& x_r,
+    const c10::optional<at::Tensor>& edge_term, const at::Tensor& att,
+    const c10::optional<at::Tensor>& mask, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& grad_out);
+
+}  // namespace pyg_fastattn

@@ -257,3 +257,79 @@ def gat_attention_backward(grad_out: Tensor, rowptr: Tensor, col: Tensor,
     empty = h.new_empty((0, ))
     return [g if want and g is not None else empty
             for g, want in zip(grads, output_mask)]
+
+
+def _gatv2_scores(rowptr, col, x_l, x_r, edge_term, att, negative_slope, t):
+    """(row, safe col, z [E, H, C], leaky_relu(z), s [E, H]) in dtype t."""
+    N = rowptr.numel() - 1
+    row = rows_of(rowptr, col.numel())
+    j = _safe(col, row < N)
+    z = x_l[j].to(t) + _pad_row(x_r)[row].to(t)
+    if edge_term is not None:
+        z = z + edge_term.to(t)
+    lz = torch.where(z > 0, z, z * negative_slope)
+    s = (lz * att.to(t)).sum(-1)
+    return row, j, z, lz, s
+
+
+def gatv2_attention(rowptr: Tensor, col: Tensor, x_l: Tensor, x_r: Tensor,
+                    edge_term: Optional[Tensor], att: Tensor,
+                    mask: Optional[Tensor], negative_slope: float,
+                    colptr: Optional[Tensor] = None,
+                    csc_row: Optional[Tensor] = None,
+                    csc_perm: Optional[Tensor] = None
+                    ) -> Tuple[Tensor, Tensor]:
+    N = rowptr.numel() - 1
+    _, H, C = x_l.shape
+    t = _opmath(x_l.dtype)
+    row, j, _, _, s = _gatv2_scores(rowptr, col, x_l, x_r, edge_term, att,
+                                    negative_slope, t)
+    alpha, lse = _row_softmax(rowptr, row, s)
+    p = alpha * mask.to(t) if mask is not None else alpha
+    msg = p.unsqueeze(-1) * x_l[j].to(t)
+    out = msg.new_zeros((N + 1, H, C)).index_add(0, row, msg)[:N]
+    return out.to(x_l.dtype), lse
+
+
+def gatv2_attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
+                             csc_row: Tensor, csc_perm: Tensor, x_l: Tensor,
+                             x_r: Tensor, edge_term: Optional[Tensor],
+                             att: Tensor, mask: Optional[Tensor],
+                             negative_slope: float, out: Tensor, lse: Tensor,
+                             grad_out: Tensor, need_edge: bool
+                             ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    N = rowptr.numel() - 1
+    t = _opmath(x_l.dtype)
+    row, j, z, lz, s = _gatv2_scores(rowptr, col, x_l, x_r, edge_term, att,
+                                     negative_slope, t)
+    lse_p = _pad_row(lse.to(t))[row]
+    finite = torch.isfinite(lse_p) & (row < N).view(-1, 1)
+    alpha = torch.where(finite, torch.exp(s - torch.where(finite, lse_p, 0.)),
+                        torch.zeros_like(s))
+    p = alpha * mask.to(t) if mask is not None else alpha
+    go = _pad_row(grad_out.to(t))[row]  # [E, H, C]
+    g = (go * x_l[j].to(t)).sum(-1)
+    if mask is not None:
+        g = g * mask.to(t)
+    delta = _pad_row((grad_out.to(t) * out.to(t)).sum(-1))[row]
+    grad_s = torch.where(finite, alpha * (g - delta), torch.zeros_like(s))
+    dz = torch.where(z > 0, torch.ones_like(z), torch.full_like(z,
+                                                                negative_slope))
+    grad_z = grad_s.unsqueeze(-1) * att.to(t) * dz
+    Ns, H, C = x_l.shape
+    grad_x_r = grad_z.new_zeros((N + 1, H, C)).index_add(0, row, grad_z)[:N]
+    grad_att = (grad_s.unsqueeze(-1) * lz).sum(0)
+    # Source side: every valid edge adds to its source (the kernels walk the
+    # transpose for this).
+    valid = (row < N).view(-1, 1, 1)
+    msg = torch.where(valid, p.unsqueeze(-1) * go + grad_z,
+                      torch.zeros_like(grad_z))
+    grad_x_l = msg.new_zeros((Ns, H, C)).index_add(0, j, msg)
+    dt = x_l.dtype
+    if need_edge and edge_term is not None:
+        grad_edge = torch.where(valid, grad_z, torch.zeros_like(grad_z))
+        grad_edge = grad_edge.to(dt)
+    else:
+        grad_edge = x_l.new_empty((0, ))
+    return (grad_x_l.to(dt), grad_x_r.to(dt), grad_edge,
+            grad_att.to(dt).view(att.shape))

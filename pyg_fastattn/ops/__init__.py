@@ -10,6 +10,7 @@ from .attention import attention, softmax_aggregate
 from .csr import CSC, csr_to_csc
 from .edge_softmax import edge_softmax
 from .gat import gat_attention
+from .gatv2 import gatv2_attention
 from .sddmm import sddmm, sddmm_csr
 from .spmm import segment_sum, spmm
 from ._checks import check_csr
@@ -18,6 +19,6 @@ _lib.install_backends()
 
 __all__ = [
     'edge_softmax', 'softmax_aggregate', 'spmm', 'sddmm', 'sddmm_csr',
-    'attention',
-    'gat_attention', 'csr_to_csc', 'CSC', 'check_csr', 'segment_sum'
+    'attention', 'gat_attention', 'gatv2_attention', 'csr_to_csc', 'CSC',
+    'check_csr', 'segment_sum'
 ]

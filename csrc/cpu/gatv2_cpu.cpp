@@ -1,0 +1,336 @@
+// gatv2_attention / gatv2_attention_backward (CPU): GATv2's per-edge score
+// att . leaky_relu(x_l[j] + x_r[i] + edge_term[e]) computed on the fly, row
+// softmax and weighted aggregation, and the gradients.
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "utils.h"
+
+namespace pyg_fastattn {
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+
+// Contiguous inputs of both ops.
+struct Inputs {
+  at::Tensor rowptr, col, x_l, x_r, edge_term, att, mask;
+};
+
+Inputs contiguous_inputs(const at::Tensor& rowptr, const at::Tensor& col,
+                         const at::Tensor& x_l, const at::Tensor& x_r,
+                         const OptTensor& edge_term, const at::Tensor& att,
+                         const OptTensor& mask) {
+  return {rowptr.contiguous(), col.contiguous(), x_l.contiguous(),
+          x_r.contiguous(), cpu::contiguous_or_undefined(edge_term),
+          att.contiguous(), cpu::contiguous_or_undefined(mask)};
+}
+
+// Per-edge score of GATv2 for one edge e = (j -> i), all heads:
+// z = x_l[j] + x_r[i] (+ edge_term[e]) into z[HC] and
+// s[h] = sum_c att[h, c] * leaky(z[h, c]).
+template <typename scalar_t>
+struct Score {
+  using acc_t = at::opmath_type<scalar_t>;
+  const scalar_t* x_l;        // [Ns, H, C]
+  const scalar_t* edge_term;  // [E, H, C] or nullptr
+  const acc_t* att;           // [H, C] in acc_t
+  int64_t H, C;
+  acc_t slope;
+
+  void operator()(const acc_t* xr_i, int64_t j, int64_t e, acc_t* z,
+                  acc_t* s) const {
+    const int64_t HC = H * C;
+    const scalar_t* xl = x_l + j * HC;
+    if (edge_term) {
+      const scalar_t* et = edge_term + e * HC;
+      for (int64_t q = 0; q < HC; ++q)
+        z[q] = acc_t(xl[q]) + xr_i[q] + acc_t(et[q]);
+    } else {
+      for (int64_t q = 0; q < HC; ++q) z[q] = acc_t(xl[q]) + xr_i[q];
+    }
+    for (int64_t h = 0; h < H; ++h) {
+      acc_t v = 0;
+      const acc_t* zh = z + h * C;
+      const acc_t* ah = att + h * C;
+      for (int64_t c = 0; c < C; ++c) v += ah[c] * cpu::leaky(zh[c], slope);
+      s[h] = v;
+    }
+  }
+};
+
+template <typename scalar_t>
+std::vector<at::opmath_type<scalar_t>> to_acc(const scalar_t* p, int64_t n) {
+  return std::vector<at::opmath_type<scalar_t>>(p, p + n);
+}
+
+// Rows split over threads by edge count (parallel_rows). One pass per row
+// with an online softmax per head: running max m, sum den of exp(s - m) and
+// acc of exp(s - m) * mask * x_l[j], rescaled when m grows; divided at the
+// end. The score is computed once per edge and never stored.
+std::tuple<at::Tensor, at::Tensor> gatv2_attention_cpu(
+    const at::Tensor& rowptr_, const at::Tensor& col_, const at::Tensor& x_l_,
+    const at::Tensor& x_r_, const OptTensor& edge_term_,
+    const at::Tensor& att_, const OptTensor& mask_, double negative_slope,
+    const OptTensor& /*colptr*/, const OptTensor& /*csc_row*/,
+    const OptTensor& /*csc_perm*/) {
+  check_gatv2_attention(rowptr_, col_, x_l_, x_r_, edge_term_, att_, mask_);
+  const Inputs in =
+      contiguous_inputs(rowptr_, col_, x_l_, x_r_, edge_term_, att_, mask_);
+  const int64_t N = in.rowptr.numel() - 1, E = in.col.numel(),
+                Ns = in.x_l.size(0), H = in.x_l.size(1), C = in.x_l.size(2),
+                HC = H * C;
+  at::Tensor out = at::empty({N, H, C}, in.x_l.options());
+  at::Tensor lse = at::empty(
+      {N, H}, in.x_l.options().dtype(opmath_type(in.x_l.scalar_type())));
+  PFA_DISPATCH_INDEX(in.rowptr.scalar_type(), "gatv2_attention_cpu", [&] {
+    PFA_DISPATCH_FLOATS(in.x_l.scalar_type(), "gatv2_attention_cpu", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+      const std::vector<acc_t> att = to_acc(in.att.const_data_ptr<scalar_t>(), HC);
+      const Score<scalar_t> score{in.x_l.const_data_ptr<scalar_t>(),
+                                  cpu::data_or_null<scalar_t>(in.edge_term),
+                                  att.data(), H, C, acc_t(negative_slope)};
+      const index_t* rp = in.rowptr.const_data_ptr<index_t>();
+      const index_t* cl = in.col.const_data_ptr<index_t>();
+      const scalar_t* xl = in.x_l.const_data_ptr<scalar_t>();
+      const scalar_t* xr = in.x_r.const_data_ptr<scalar_t>();
+      const scalar_t* mask = cpu::data_or_null<scalar_t>(in.mask);
+      scalar_t* o = out.data_ptr<scalar_t>();
+      acc_t* l = lse.data_ptr<acc_t>();
+      cpu::parallel_rows(rp, N, E, 2 * HC, [&](int64_t r0, int64_t r1) {
+        std::vector<acc_t> buf(3 * HC + 3 * H);
+        acc_t *acc = buf.data(), *xr_i = acc + HC, *z = xr_i + HC,
+              *m = z + HC, *den = m + H, *s = den + H;
+        for (int64_t i = r0; i < r1; ++i) {
+          const auto [b, e] = cpu::row_range(rp, i, E);
+          for (int64_t q = 0; q < HC; ++q) xr_i[q] = acc_t(xr[i * HC + q]);
+          std::fill(m, m + H, -inf);
+          std::fill(den, den + H, acc_t(0));
+          std::fill(acc, acc + HC, acc_t(0));
+          for (int64_t k = b; k < e; ++k) {
+            const int64_t j = cl[k];
+            cpu::prefetch_ahead(cl, k, E, xl, Ns, HC);
+            if (j < 0 || j >= Ns) continue;
+            score(xr_i, j, k, z, s);
+            const scalar_t* xj = xl + j * HC;
+            for (int64_t h = 0; h < H; ++h) {
+              const acc_t x = s[h];
+              acc_t scale = 1, p;
+              if (x > m[h]) {  // new maximum: rescale what was summed
+                scale = std::exp(m[h] - x);
+                m[h] = x;
+                p = 1;
+              } else if (x == -inf) {
+                continue;
+              } else {
+                p = std::exp(x - m[h]);  // NaN propagates to den and acc
+              }
+              den[h] = den[h] * scale + p;
+              const acc_t w = mask ? p * acc_t(mask[k * H + h]) : p;
+              acc_t* a = acc + h * C;
+              const scalar_t* v = xj + h * C;
+              if (scale != acc_t(1))
+                for (int64_t c = 0; c < C; ++c) a[c] = a[c] * scale + w * acc_t(v[c]);
+              else
+                for (int64_t c = 0; c < C; ++c) a[c] += w * acc_t(v[c]);
+            }
+          }
+          for (int64_t h = 0; h < H; ++h) {
+            // A +inf score gives NaN, as exp(inf - inf) in the reference.
+            if (m[h] == inf) den[h] = std::numeric_limits<acc_t>::quiet_NaN();
+            l[i * H + h] = std::log(den[h]) + (m[h] == -inf ? acc_t(0) : m[h]);
+            const acc_t d = den[h] == 0 ? acc_t(1) : den[h];  // empty: acc is 0
+            for (int64_t c = 0; c < C; ++c)
+              o[i * HC + h * C + c] = scalar_t(acc[h * C + c] / d);
+          }
+        }
+      });
+    });
+  });
+  return {out, lse};
+}
+
+// Row r goes to group g when its cost rowptr[r] + r lies in
+// [g * chunk, (g + 1) * chunk): fixed groups of about equal work.
+template <typename index_t>
+int64_t first_row_of_cost(const index_t* rowptr, int64_t N, int64_t E,
+                          int64_t c) {
+  int64_t lo = 0, hi = N;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (cpu::clamp64(rowptr[mid], 0, E) + mid < c) lo = mid + 1; else hi = mid;
+  }
+  return lo;
+}
+
+// Pass 1, by destination row, over kGatv2CpuGroups fixed row groups (in
+// parallel): per edge the score and alpha = exp(s - lse), g = mask *
+// <grad_out[i], x_l[j]>, grad_s = alpha * (g - <grad_out[i], out[i]>) (kept
+// in [E, H]), grad_z = grad_s * att * leaky'(z) summed into grad_x_r[i]
+// (and stored as grad_edge_term[e]), grad_s * leaky(z) into the group's
+// grad_att partial. The partials are summed in group order.
+// Pass 2, by source over the transpose (parallel_rows on colptr): for each
+// out-edge e = (j -> i) the score is recomputed for alpha and leaky'(z) and
+// grad_x_l[j] += alpha * mask * grad_out[i] + grad_z. Every output has one
+// writer and a fixed summation order: bitwise equal for any thread count.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+gatv2_attention_backward_cpu(
+    const at::Tensor& rowptr_, const at::Tensor& col_, const at::Tensor& colptr_,
+    const at::Tensor& csc_row_, const at::Tensor& csc_perm_,
+    const at::Tensor& x_l_, const at::Tensor& x_r_, const OptTensor& edge_term_,
+    const at::Tensor& att_, const OptTensor& mask_, double negative_slope,
+    const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& grad_out_,
+    bool need_edge) {
+  check_gatv2_attention_backward(rowptr_, col_, colptr_, csc_row_, csc_perm_,
+                                 x_l_, x_r_, edge_term_, att_, mask_, out_,
+                                 lse_, grad_out_);
+  const Inputs in =
+      contiguous_inputs(rowptr_, col_, x_l_, x_r_, edge_term_, att_, mask_);
+  const at::Tensor colptr = colptr_.contiguous(), csc_row = csc_row_.contiguous(),
+                   csc_perm = csc_perm_.contiguous(), out = out_.contiguous(),
+                   lse = lse_.contiguous(), grad_out = grad_out_.contiguous();
+  const int64_t N = in.rowptr.numel() - 1, E = in.col.numel(),
+                Ns = in.x_l.size(0), H = in.x_l.size(1), C = in.x_l.size(2),
+                HC = H * C;
+  const bool want_edge = need_edge && in.edge_term.defined();
+  const auto opts = in.x_l.options();
+  at::Tensor g_l = at::empty({Ns, H, C}, opts);
+  at::Tensor g_r = at::empty({N, H, C}, opts);
+  at::Tensor g_e = want_edge ? at::empty({E, H, C}, opts) : at::empty({0}, opts);
+  at::Tensor g_att = at::empty({H, C}, opts);
+  const auto acc_opts = opts.dtype(opmath_type(in.x_l.scalar_type()));
+  at::Tensor grad_s = at::empty({E, H}, acc_opts);
+  const int64_t G = std::max<int64_t>(1, std::min<int64_t>(kGatv2CpuGroups, N));
+  at::Tensor partial = at::zeros({G, HC}, acc_opts);
+  PFA_DISPATCH_INDEX(in.rowptr.scalar_type(), "gatv2_attention_backward_cpu", [&] {
+    if (want_edge) cpu::zero_outside_rows(g_e, in.rowptr.const_data_ptr<index_t>(), N);
+    PFA_DISPATCH_FLOATS(in.x_l.scalar_type(), "gatv2_attention_backward_cpu", [&] {
+      using acc_t = at::opmath_type<scalar_t>;
+      const std::vector<acc_t> att = to_acc(in.att.const_data_ptr<scalar_t>(), HC);
+      const acc_t slope = acc_t(negative_slope);
+      const Score<scalar_t> score{in.x_l.const_data_ptr<scalar_t>(),
+                                  cpu::data_or_null<scalar_t>(in.edge_term),
+                                  att.data(), H, C, slope};
+      const index_t* rp = in.rowptr.const_data_ptr<index_t>();
+      const index_t* cl = in.col.const_data_ptr<index_t>();
+      const index_t* cp = colptr.const_data_ptr<index_t>();
+      const index_t* rw = csc_row.const_data_ptr<index_t>();
+      const index_t* pm = csc_perm.const_data_ptr<index_t>();
+      const scalar_t* xl = in.x_l.const_data_ptr<scalar_t>();
+      const scalar_t* xr = in.x_r.const_data_ptr<scalar_t>();
+      const scalar_t* mask = cpu::data_or_null<scalar_t>(in.mask);
+      const scalar_t* o = out.const_data_ptr<scalar_t>();
+      const scalar_t* go = grad_out.const_data_ptr<scalar_t>();
+      const acc_t* l = lse.const_data_ptr<acc_t>();
+      acc_t* gs_ptr = grad_s.data_ptr<acc_t>();
+      acc_t* part = partial.data_ptr<acc_t>();
+      scalar_t* gl_ptr = g_l.data_ptr<scalar_t>();
+      scalar_t* gr_ptr = g_r.data_ptr<scalar_t>();
+      scalar_t* ge_ptr = want_edge ? g_e.data_ptr<scalar_t>() : nullptr;
+
+      // ---- pass 1: by destination row, fixed groups
+      const int64_t total = N + E, chunk = (total + G - 1) / G;
+      at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+        std::vector<acc_t> buf(3 * HC + 3 * H);
+        acc_t *xr_i = buf.data(), *z = xr_i + HC, *gxr = z + HC, *s = gxr + HC,
+              *delta = s + H, *gsv = delta + H;
+        for (int64_t g = g0; g < g1; ++g) {
+          acc_t* pg = part + g * HC;
+          const int64_t r0 = first_row_of_cost(rp, N, E, g * chunk);
+          const int64_t r1 = first_row_of_cost(rp, N, E, std::min(total, (g + 1) * chunk));
+          for (int64_t i = r0; i < r1; ++i) {
+            const auto [b, e] = cpu::row_range(rp, i, E);
+            const scalar_t* go_i = go + i * HC;
+            for (int64_t q = 0; q < HC; ++q) xr_i[q] = acc_t(xr[i * HC + q]);
+            for (int64_t h = 0; h < H; ++h)
+              delta[h] = cpu::dot(go_i + h * C, o + i * HC + h * C, C);
+            std::fill(gxr, gxr + HC, acc_t(0));
+            for (int64_t k = b; k < e; ++k) {
+              const int64_t j = cl[k];
+              cpu::prefetch_ahead(cl, k, E, xl, Ns, HC);
+              scalar_t* ge_k = ge_ptr ? ge_ptr + k * HC : nullptr;
+              if (j < 0 || j >= Ns) {
+                std::fill(gs_ptr + k * H, gs_ptr + (k + 1) * H, acc_t(0));
+                if (ge_k) std::fill(ge_k, ge_k + HC, scalar_t(0));
+                continue;
+              }
+              score(xr_i, j, k, z, s);
+              const scalar_t* xj = xl + j * HC;
+              for (int64_t h = 0; h < H; ++h) {
+                const acc_t lse_ih = l[i * H + h];
+                acc_t gs = 0;
+                if (std::isfinite(lse_ih)) {  // else the row has no weight
+                  const acc_t alpha = std::exp(s[h] - lse_ih);
+                  acc_t gv = cpu::dot(go_i + h * C, xj + h * C, C);
+                  if (mask) gv *= acc_t(mask[k * H + h]);
+                  gs = alpha * (gv - delta[h]);
+                }
+                gs_ptr[k * H + h] = gs;
+                gsv[h] = gs;
+              }
+              for (int64_t h = 0; h < H; ++h) {
+                const acc_t gs = gsv[h];
+                for (int64_t c = 0; c < C; ++c) {
+                  const int64_t q = h * C + c;
+                  const acc_t gz = cpu::leaky_grad(z[q], slope, gs * att[q]);
+                  gxr[q] += gz;
+                  if (ge_k) ge_k[q] = scalar_t(gz);
+                  pg[q] += gs * cpu::leaky(z[q], slope);
+                }
+              }
+            }
+            for (int64_t q = 0; q < HC; ++q) gr_ptr[i * HC + q] = scalar_t(gxr[q]);
+          }
+        }
+      });
+      scalar_t* ga = g_att.data_ptr<scalar_t>();
+      for (int64_t q = 0; q < HC; ++q) {
+        acc_t v = 0;
+        for (int64_t g = 0; g < G; ++g) v += part[g * HC + q];
+        ga[q] = scalar_t(v);
+      }
+
+      // ---- pass 2: by source over the transpose
+      cpu::parallel_rows(cp, Ns, E, 2 * HC, [&](int64_t j0, int64_t j1) {
+        std::vector<acc_t> buf(3 * HC + H);
+        acc_t *gxl = buf.data(), *xr_i = gxl + HC, *z = xr_i + HC, *s = z + HC;
+        for (int64_t j = j0; j < j1; ++j) {
+          const auto [b, end] = cpu::row_range(cp, j, E);
+          std::fill(gxl, gxl + HC, acc_t(0));
+          for (int64_t k = b; k < end; ++k) {
+            const int64_t i = rw[k], e = pm[k];
+            cpu::prefetch_ahead(rw, k, E, go, N, HC);
+            cpu::prefetch_ahead(rw, k, E, xr, N, HC);
+            if (i < 0 || i >= N || e < 0 || e >= E) continue;
+            for (int64_t q = 0; q < HC; ++q) xr_i[q] = acc_t(xr[i * HC + q]);
+            score(xr_i, j, e, z, s);
+            const scalar_t* go_i = go + i * HC;
+            for (int64_t h = 0; h < H; ++h) {
+              const acc_t lse_ih = l[i * H + h];
+              if (!std::isfinite(lse_ih)) continue;
+              acc_t p = std::exp(s[h] - lse_ih);
+              if (mask) p *= acc_t(mask[e * H + h]);
+              const acc_t gs = gs_ptr[e * H + h];
+              for (int64_t c = 0; c < C; ++c) {
+                const int64_t q = h * C + c;
+                gxl[q] += p * acc_t(go_i[q]) +
+                          cpu::leaky_grad(z[q], slope, gs * att[q]);
+              }
+            }
+          }
+          for (int64_t q = 0; q < HC; ++q) gl_ptr[j * HC + q] = scalar_t(gxl[q]);
+        }
+      });
+    });
+  });
+  return {g_l, g_r, g_e, g_att};
+}
+
+}  // namespace
+}  // namespace pyg_fastattn
+
+TORCH_LIBRARY_IMPL(pyg_fastattn, CPU, m) {
+  m.impl("gatv2_attention", &pyg_fastattn::gatv2_attention_cpu);
+  m.impl("gatv2_attention_backward", &pyg_fastattn::gatv2_attention_backward_cpu);
+}
