@@ -1,11 +1,11 @@
 """pyg_fastattn: fast graph attention for PyTorch Geometric."""
 from . import ops
 from ._build import info as backend_info
-from .nn import FastGATConv, PreparedGraph, prepare, swap_gat
+from .nn import FastGATConv, PreparedGraph, prepare, set_validation, swap_gat
 
 __version__ = '0.1.0'
 
 __all__ = [
     'ops', 'backend_info', '__version__', 'FastGATConv', 'swap_gat', 'prepare',
-    'PreparedGraph'
+    'PreparedGraph', 'set_validation'
 ]
