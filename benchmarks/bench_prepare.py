@@ -148,16 +148,16 @@ def step_workload(N, E, dev, args, providers):
     rows = []
     for prov in providers:
         rec = {'workload': 'step', 'nodes': N, 'edges': E, 'input': prov}
-        if prov == 'pyg_compile':
-            torch._dynamo.reset()
-            model = torch.compile(GAT(GATConv).to(dev))
-        elif prov == 'pyg':
+        if prov == 'pyg':
             model = ref
         else:
-            model = GAT(FastGATConv).to(dev)
-        if prov != 'pyg_compile':
+            model = GAT(FastGATConv if prov.startswith('fast') else
+                        GATConv).to(dev)
             model.load_state_dict(ref.state_dict())
         opt = torch.optim.Adam(model.parameters(), lr=0.005)
+        if prov == 'pyg_compile':
+            torch._dynamo.reset()
+            model = torch.compile(model)
 
         def step():
             opt.zero_grad(set_to_none=True)

@@ -17,15 +17,14 @@ and the graph carry information.
 Batches follow PyG's recipe: ``NeighborLoader`` (needs pyg-lib or
 torch-sparse) samples ``--fanout`` in-neighbours per hop around a batch of
 training nodes; nodes come seeds first, then each hop's new nodes, edges
-grouped by hop. Layer ``i`` runs on its message-flow graph: PyG's
-``trim_to_layer`` drops the hops it no longer needs, and the layer is
-called bipartite, ``conv((x, x[:n_dst]), edge_index, size=(n_src,
-n_dst))``, so that only the nodes the next layer reads are computed. The
-fast layers get the edges as a ``torch_geometric.EdgeIndex`` sorted by
-destination (sampler output is), which skips the sort when the graph is
-prepared. Without pyg-lib and torch-sparse a small pure-PyTorch sampler
-here (``TorchNeighborSampler``) gives batches of the same structure, and
-the script says so.
+grouped by hop. Each layer runs on its bipartite message-flow graph
+(``--mfg bipartite``, default: only the nodes a later layer reads are
+computed) or, with ``--mfg trim``, on the graph that PyG's
+``trim_to_layer`` leaves (see ``GAT``). The fast layers get the edges as a
+``torch_geometric.EdgeIndex`` sorted by destination (sampler output is),
+which skips the sort when the graph is prepared. Without pyg-lib and
+torch-sparse a small pure-PyTorch sampler here (``TorchNeighborSampler``)
+gives batches of the same structure, and the script says so.
 
 Per epoch it prints the loader's time (sampling, slicing features, copying
 to the device) apart from each model's time (forward, loss, backward,
@@ -176,13 +175,27 @@ def make_loader(x, y, edge_index, num_nodes, fanouts, train_idx, batch_size,
 
 class GAT(torch.nn.Module):
     """``layers`` GAT layers (ELU between them, heads averaged in the last)
-    over per-layer message-flow graphs."""
+    on a sampled batch, in one of two layouts:
+
+    * ``'bipartite'``: layer ``i`` runs on its message-flow graph: sources
+      = the nodes of hops ``0..K-i``, targets = those of hops ``0..K-i-1``
+      (the rows a later layer reads), edges = hops ``1..K-i`` (a prefix of
+      the batch's edges), called ``conv((x, x[:n_dst]), edge_index,
+      size=(n_src, n_dst))``. Its output has exactly the next layer's
+      source rows.
+    * ``'trim'``: PyG's recipe verbatim: ``trim_to_layer`` drops the last
+      hop's nodes and edges before each layer, which then runs on the
+      trimmed graph (``conv(x, edge_index)``).
+
+    The fast layers get the edges as an ``EdgeIndex`` sorted by destination
+    (both layouts keep the sampler's order), so preparation skips the sort.
+    """
 
     def __init__(self, conv, in_channels, hidden, heads, out_channels,
-                 layers=2, dropout=0.2):
+                 layers=2, dropout=0.2, mfg='bipartite'):
         super().__init__()
         self.fast = conv is FastGATConv
-        self.dropout = dropout
+        self.dropout, self.mfg = dropout, mfg
         self.convs = torch.nn.ModuleList()
         for i in range(layers):
             last = i == layers - 1
@@ -194,15 +207,23 @@ class GAT(torch.nn.Module):
     def forward(self, x, edge_index, num_sampled_nodes, num_sampled_edges):
         K = len(self.convs)
         for i, conv in enumerate(self.convs):
-            x, edge_index, _ = trim_to_layer(i, num_sampled_nodes,
-                                             num_sampled_edges, x, edge_index)
-            n_dst = sum(num_sampled_nodes[:K - i])  # read by the next layer
-            ei = edge_index
+            if self.mfg == 'trim':
+                x, edge_index, _ = trim_to_layer(
+                    i, num_sampled_nodes, num_sampled_edges, x, edge_index)
+                n_src = n_dst = x.size(0)
+                ei = edge_index
+            else:
+                n_src = sum(num_sampled_nodes[:K - i + 1])
+                n_dst = sum(num_sampled_nodes[:K - i])
+                ei = edge_index[:, :sum(num_sampled_edges[:K - i])]
             if self.fast:  # sampler output is grouped by destination
-                ei = EdgeIndex(edge_index, sparse_size=(x.size(0), n_dst),
+                ei = EdgeIndex(ei, sparse_size=(n_src, n_dst),
                                sort_order='col')
             x = F.dropout(x, self.dropout, self.training)
-            x = conv((x, x[:n_dst]), ei, size=(x.size(0), n_dst))
+            if self.mfg == 'trim':
+                x = conv(x, ei)
+            else:
+                x = conv((x, x[:n_dst]), ei, size=(n_src, n_dst))
             if i < K - 1:
                 x = F.elu(x)
         return x[:num_sampled_nodes[0]]
@@ -232,6 +253,8 @@ def run(argv=None):
                     help='stop each epoch after this many batches')
     ap.add_argument('--lr', type=float, default=0.005)
     ap.add_argument('--dropout', type=float, default=0.2)
+    ap.add_argument('--mfg', choices=['bipartite', 'trim'],
+                    default='bipartite', help='per-layer graph layout (GAT)')
     ap.add_argument('--layer', choices=['fast', 'pyg', 'both'], default='both')
     ap.add_argument('--sampler', choices=['auto', 'pyg', 'torch'],
                     default='auto')
@@ -270,12 +293,12 @@ def run(argv=None):
     torch.manual_seed(args.seed)
     names = ['fast', 'pyg'] if args.layer == 'both' else [args.layer]
     init = GAT(GATConv, args.features, args.hidden, args.heads, args.classes,
-               args.layers, args.dropout).to(dev)
+               args.layers, args.dropout, args.mfg).to(dev)
     models, opts = {}, {}
     for name in names:
         m = GAT(FastGATConv if name == 'fast' else GATConv, args.features,
                 args.hidden, args.heads, args.classes, args.layers,
-                args.dropout).to(dev)
+                args.dropout, args.mfg).to(dev)
         m.load_state_dict(init.state_dict())
         models[name] = m
         opts[name] = torch.optim.Adam(m.parameters(), lr=args.lr)
@@ -309,7 +332,7 @@ def run(argv=None):
                 opt.step()
                 sync(dev)
                 t_model[n] += time.perf_counter() - t
-                loss_sum[n] += float(loss) * by.numel()
+                loss_sum[n] += float(loss.detach()) * by.numel()
                 correct[n] += int((out.argmax(-1) == by).sum())
             seen += by.numel()
             steps += 1

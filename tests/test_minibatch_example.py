@@ -2,6 +2,7 @@
 fallback sampler gives NeighborLoader's batch structure."""
 import importlib.util
 
+import pytest
 import torch
 
 from conftest import REPO
@@ -52,18 +53,20 @@ def test_fallback_sampler_batches():
     assert s.local.eq(-1).all()
 
 
-def test_example_runs_both_layers(capsys):
+@pytest.mark.parametrize('mfg', ['bipartite', 'trim'])
+def test_example_runs_both_layers(capsys, mfg):
     mod = load()
     hist = mod.run(['--nodes', '3000', '--avg-degree', '6', '--features',
                     '16', '--classes', '4', '--hidden', '8', '--heads', '2',
                     '--batch-size', '64', '--max-steps', '4', '--epochs',
-                    '2', '--dropout', '0', '--layer', 'both', '--layers', '3', '--device',
-                    'cpu', '--sampler', 'torch', '--log-every', '2'])
+                    '2', '--dropout', '0', '--layer', 'both', '--layers', '3',
+                    '--mfg', mfg, '--device', 'cpu', '--sampler', 'torch',
+                    '--log-every', '2'])
     out = capsys.readouterr().out
     assert 'sampler: pure-PyTorch' in out and 'loader' in out
     assert len(hist) == 2 and all(h['steps'] == 4 for h in hist)
     for h in hist:
         assert h['fast_s'] > 0 and h['pyg_s'] > 0 and h['loader_s'] > 0
         # same initial weights, same batches, no dropout: the same run
-        assert abs(h['fast_loss'] - h['pyg_loss']) < 1e-3 * max(
+        assert abs(h['fast_loss'] - h['pyg_loss']) < 1e-4 * max(
             1.0, h['pyg_loss'])

@@ -142,6 +142,8 @@ def test_layer_on_sorted_inputs_matches_gatconv(device, bipartite,
     fast.load_state_dict(ref.state_dict())
     xs = torch.randn(ns, 6, generator=gen, dtype=torch.float64).to(device)
     xd = torch.randn(nd, 5, generator=gen, dtype=torch.float64).to(device)
+    xs.requires_grad_()
+    xd.requires_grad_()
     x = (xs, xd) if bipartite else xs
     size = (ns, nd) if bipartite else None
     want = _grads(ref, x, ei, ea, size)
