@@ -7,17 +7,19 @@
 Workloads
   ``prepare``  ``pyg_fastattn.prepare`` of a new random graph (uniform
                random edges, ``add_self_loops=True``, default validation)
-               at each size, from
+               at each size (``transpose=False`` unless ``+csc``), from
                  ``unsorted``   a plain [2, E] tensor in random order;
                  ``sorted``     the same edges grouped by destination,
                                 ``sorted=True``;
                  ``edge_index`` a ``torch_geometric.EdgeIndex`` with
                                 ``sort_order='col'`` (nothing cached);
                  ``unsorted+csc`` / ``sorted+csc``  also building the
-                                transpose that the backward walks (built
-                                on first use, so a training step pays it);
+                                transpose that the backward walks (what a
+                                training step pays; ``prepare``'s default);
                  ``unsorted, validate=sync``  the exact, host-synchronising
-                                check (on CPU the default does the same).
+                                check (on CPU the default does the same);
+                 ``..., validate=off``  no check (the cost of validation is
+                                the difference).
   ``step``     one training step of a 2-layer GAT (128 -> 8 x 16 -> 40,
                ELU, dropout 0.6, Adam) on a new graph every step, as a
                sampler gives: zero_grad, forward, cross-entropy over all
@@ -81,14 +83,20 @@ def prepare_workload(N, E, dev, args):
     ei = random_edges(N, E, dev, 0)
     eis = ei[:, torch.argsort(ei[1])]
     cases = {
-        'unsorted': lambda: prepare(ei, num_nodes=N),
-        'sorted': lambda: prepare(eis, num_nodes=N, sorted=True),
+        'unsorted': lambda: prepare(ei, num_nodes=N, transpose=False),
+        'sorted': lambda: prepare(eis, num_nodes=N, sorted=True,
+                                  transpose=False),
         'edge_index': lambda: prepare(
-            EdgeIndex(eis, sparse_size=(N, N), sort_order='col')),
-        'unsorted+csc': lambda: prepare(ei, num_nodes=N).csc,
-        'sorted+csc': lambda: prepare(eis, num_nodes=N, sorted=True).csc,
-        'unsorted, validate=sync': lambda: prepare(ei, num_nodes=N,
-                                                   validate='sync'),
+            EdgeIndex(eis, sparse_size=(N, N), sort_order='col'),
+            transpose=False),
+        'unsorted+csc': lambda: prepare(ei, num_nodes=N),
+        'sorted+csc': lambda: prepare(eis, num_nodes=N, sorted=True),
+        'unsorted, validate=sync': lambda: prepare(
+            ei, num_nodes=N, validate='sync', transpose=False),
+        'unsorted, validate=off': lambda: prepare(
+            ei, num_nodes=N, validate=False, transpose=False),
+        'sorted, validate=off': lambda: prepare(
+            eis, num_nodes=N, sorted=True, validate=False, transpose=False),
     }
     rows = []
     for name, fn in cases.items():
@@ -101,8 +109,6 @@ def prepare_workload(N, E, dev, args):
             rec['message'] = msg
         rows.append(rec)
         print(summary(rec), flush=True)
-    del ei, eis
-    free_memory(dev)
     return rows
 
 
@@ -175,7 +181,7 @@ def step_workload(N, E, dev, args, providers):
             rec['message'] = msg[:200]
         rows.append(rec)
         print(summary(rec), flush=True)
-        del model, opt
+        model = opt = None
         free_memory(dev)
     base = {r['input']: r.get('median_ms') for r in rows}
     for r in rows:
@@ -240,6 +246,7 @@ def main(argv=None):
             if budget.spent():
                 break
             rows += prepare_workload(N, E, dev, args)
+            free_memory(dev)
     if 'step' not in skip and not budget.spent():
         rows += step_workload(*step_size, dev, args,
                               [p for p in args.providers.split(',') if p])

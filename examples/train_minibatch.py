@@ -281,7 +281,7 @@ def run(argv=None):
     g = torch.Generator().manual_seed(args.seed)
     perm = torch.randperm(N, generator=g)
     n_train = max(1, int(args.train_frac * N))
-    train_idx, val_idx = perm[:n_train], perm[n_train:n_train + 4096]
+    train_idx = perm[:n_train]
     t0 = time.perf_counter()
     loader, sampler_name = make_loader(x, y, edge_index, N, fanouts,
                                        train_idx, args.batch_size,

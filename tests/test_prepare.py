@@ -87,6 +87,22 @@ def test_cpu_detection_skips_the_sort(monkeypatch):
         prepare(shuffled, num_nodes=20)
 
 
+def test_transpose_on_first_use():
+    gen = torch.Generator().manual_seed(4)
+    ei, _ = make_edges(12, 12, 60, True, gen)
+    g = prepare(ei, num_nodes=12, transpose=False)
+    assert g._csc is None
+    x = torch.randn(12, 5, requires_grad=True)
+    conv = FastGATConv(5, 3, heads=2)
+    out = conv(x, g)
+    assert g._csc is not None  # built by the layer, kept
+    torch.testing.assert_close(out, conv(x, ei))
+    out.sum().backward()
+    ref = prepare(ei, num_nodes=12)
+    for a, b in zip(g.csc, ref.csc):
+        assert torch.equal(a, b)
+
+
 def _kept_edge_set(g):
     ei = g.edge_index()
     return sorted(zip(ei[0].tolist(), ei[1].tolist()))
@@ -101,7 +117,7 @@ def test_edge_index_cached_transpose():
     e.get_csr()  # fills _T_perm, _T_indptr
     g = prepare(e, add_self_loops=False)
     ref = prepare(ei, size=(15, 11), add_self_loops=False, sorted=False)
-    assert g._csc is not None
+    assert torch.equal(g.csc.perm.long(), e._T_perm.long())  # reused
     assert torch.equal(g.csc.colptr, ref.csc.colptr)
     perm = g.csc.perm.long()
     assert torch.equal(g.col.long()[perm],

@@ -15,7 +15,7 @@ Per-edge inputs (edge features, dropout) are built in augmented order and
 gathered into CSR order with ``csr_perm``. Input already grouped by
 destination (``sorted=True``, a ``torch_geometric.EdgeIndex`` sorted by
 ``col``, or detected on CPU) skips the sort. The transpose that backward
-passes walk is built on first use. Indices are validated here, never in the
+passes walk is built on first access. Indices are validated here, never in the
 layer's kernels (see :func:`set_validation`); nothing here waits for the
 GPU unless node counts must be read from the indices or ``'sync'``
 validation is asked for.
@@ -82,7 +82,8 @@ class PreparedGraph:
         col: [E'] source node of each CSR position (removed self-loops last).
         csc: the transpose (:func:`pyg_fastattn.ops.csr_to_csc`) that the
             backward pass walks; it skips the removed tail. Built on first
-            access and kept.
+            access (or by :func:`prepare`) and kept; under
+            ``torch.compile`` built in the compiled graph and not kept.
         csr_perm: [E'] int64, augmented position of each CSR position.
         removed: [E'] bool, in augmented order: input self-loops that GATConv
             removes (they are replaced by the added loops).
@@ -110,9 +111,14 @@ class PreparedGraph:
 
     @property
     def csc(self) -> CSC:
-        if self._csc is None:
-            self._csc = CSC(*_build_csc(self.rowptr, self.col, self.num_src))
-        return self._csc
+        if self._csc is not None:
+            return self._csc
+        csc = CSC(*_build_csc(self.rowptr, self.col, self.num_src))
+        # Kept only when built eagerly: a compiled graph's outputs may live
+        # in memory that later replays (CUDA graphs) overwrite.
+        if not _is_compiling():
+            self._csc = csc
+        return csc
 
     @property
     def num_aug(self) -> int:
@@ -526,7 +532,8 @@ def _prepare(edge_index, num_src: Optional[int], num_dst: Optional[int],
 def prepare(edge_index, num_nodes: Optional[int] = None,
             size: Optional[Tuple[int, int]] = None,
             add_self_loops: bool = True, validate=None,
-            sorted: Optional[bool] = None) -> PreparedGraph:
+            sorted: Optional[bool] = None,
+            transpose: bool = True) -> PreparedGraph:
     r"""Prepare a graph once for :class:`FastGATConv` layers.
 
     Args:
@@ -548,6 +555,9 @@ def prepare(edge_index, num_nodes: Optional[int] = None,
             by destination, as a sampler's output): the sort is skipped.
             None: an ``EdgeIndex``'s sort order; else checked on CPU
             tensors, assumed unsorted on GPU (checking would need a sync).
+        transpose: build the transpose that backward passes walk now (it
+            keeps that work out of compiled steps); False builds it on
+            first access.
 
     Returns:
         a :class:`PreparedGraph`; pass it as ``edge_index`` to layers whose
@@ -556,7 +566,10 @@ def prepare(edge_index, num_nodes: Optional[int] = None,
     if size is not None and num_nodes is not None:
         raise ValueError('pass either `num_nodes` or `size`, not both')
     ns, nd = (size if size is not None else (num_nodes, num_nodes))
-    return _prepare(edge_index, ns, nd, add_self_loops, validate, sorted)
+    graph = _prepare(edge_index, ns, nd, add_self_loops, validate, sorted)
+    if transpose and not _is_compiling():
+        graph.csc  # noqa: B018 (builds and keeps the transpose)
+    return graph
 
 
 # Cache ######################################################################
