@@ -21,8 +21,10 @@ grouped by hop. Each layer runs on its bipartite message-flow graph
 (``--mfg bipartite``, default: only the nodes a later layer reads are
 computed) or, with ``--mfg trim``, on the graph that PyG's
 ``trim_to_layer`` leaves (see ``GAT``). The fast layers get the edges as a
-``torch_geometric.EdgeIndex`` sorted by destination (sampler output is),
-which skips the sort when the graph is prepared. Without pyg-lib and
+``torch_geometric.EdgeIndex`` sorted by destination (PyG's loaders expect
+their samplers' edges sorted by destination, CSC layout; a wrong order is
+caught by the graph validation), which skips the sort when the graph is
+prepared. Without pyg-lib and
 torch-sparse a small pure-PyTorch sampler here (``TorchNeighborSampler``)
 gives batches of the same structure, and the script says so.
 

@@ -356,14 +356,17 @@ def _csr_sorted(src: Tensor, dst: Tensor, num_src: int, num_dst: int, L: int,
     kept_ptr = ck[dst_ptr.long().clamp(0, E)]  # [N + 1] kept edges per row
     loops_before = torch.arange(num_dst + 1, device=device).clamp_(max=L)
     rowptr = (kept_ptr + loops_before).to(idx)
-    # Row d: its kept edges in input order, then the loop (d, d) if d < L;
-    # removed self-loops after every row, in input order.
-    e = torch.arange(E, device=device)
-    pos_kept = ck_excl + dst.clamp(0, L)
-    pos_removed = (ck[-1] + L) + (e - ck_excl)
-    pos_in = torch.where(keep, pos_kept, pos_removed)
-    pos_loop = kept_ptr[1:L + 1] + torch.arange(L, device=device)
-    pos = torch.cat([pos_in, pos_loop])
+    # CSR position of each augmented edge. Row d: its kept edges in input
+    # order, then the loop (d, d) if d < L; removed self-loops after every
+    # row, in input order.
+    pos = torch.empty(E + L, dtype=torch.int64, device=device)
+    pos_in = pos[:E]
+    torch.add(ck_excl, dst.clamp(0, L), out=pos_in)
+    pos_removed = torch.arange(E, device=device).sub_(ck_excl).add_(
+        ck[-1] + L)
+    torch.where(keep, pos_in, pos_removed, out=pos_in)
+    torch.add(kept_ptr[1:L + 1], torch.arange(L, device=device),
+              out=pos[E:])
     perm = torch.zeros(E + L, dtype=torch.int64, device=device)
     perm.scatter_(0, pos, torch.arange(E + L, device=device))
     loop = torch.arange(L, device=device)
