@@ -245,3 +245,20 @@ def test_fresh_graph_step_no_host_sync(form):
     finally:
         torch.cuda.set_sync_debug_mode('default')
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('is_sorted', [False, True])
+@pytest.mark.parametrize('add_self_loops', [False, True])
+def test_opcheck_build_ops(device, is_sorted, add_self_loops):
+    """torch.library.opcheck of the two preparation ops."""
+    gen = torch.Generator().manual_seed(5)
+    ei, shuffled = make_edges(9, 7, 40, True, gen, device)
+    src, dst = (ei if is_sorted else shuffled).unbind(0)
+    dst_ptr = torch.searchsorted(dst, torch.arange(8, device=device)) \
+        if is_sorted else None
+    args = (src, dst, 9, 7, add_self_loops, is_sorted, dst_ptr)
+    torch.library.opcheck(torch.ops.pyg_fastattn.build_csr.default, args)
+    rowptr, col = graph_mod._build_csr(*args)[:2]
+    torch.library.opcheck(torch.ops.pyg_fastattn.build_csc.default,
+                          (rowptr, col, 9))
