@@ -12,8 +12,13 @@ static instead (``torch.compile`` and CUDA-graph friendly, no host sync):
   stable), so ``rowptr`` covers only kept edges and ``rowptr[N] <= E'``.
 
 Per-edge inputs (edge features, dropout) are built in augmented order and
-gathered into CSR order with ``csr_perm``. Indices are validated once, here
-(one host sync), never in the layer's hot path.
+gathered into CSR order with ``csr_perm``. Input already grouped by
+destination (``sorted=True``, a ``torch_geometric.EdgeIndex`` sorted by
+``col``, or detected on CPU) skips the sort. The transpose that backward
+passes walk is built on first access. Indices are validated here, never in the
+layer's kernels (see :func:`set_validation`); nothing here waits for the
+GPU unless node counts must be read from the indices or ``'sync'``
+validation is asked for.
 """
 import threading
 import weakref
@@ -26,7 +31,8 @@ from torch import Tensor
 
 from ..ops import CSC, csr_to_csc
 
-__all__ = ['PreparedGraph', 'prepare', 'clear_cache', 'cache_info']
+__all__ = ['PreparedGraph', 'prepare', 'clear_cache', 'cache_info',
+           'set_validation', 'get_validation']
 
 _INT_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 _SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc)
@@ -42,6 +48,11 @@ try:
                      if _pyg_typing.WITH_TORCH_SPARSE else None)
 except ImportError:  # pragma: no cover
     _SparseTensor = None
+
+try:
+    from torch_geometric import EdgeIndex as _EdgeIndex
+except ImportError:  # pragma: no cover
+    _EdgeIndex = None
 
 
 def _sparse_tensor_cls():
@@ -70,7 +81,9 @@ class PreparedGraph:
             destinations); ``rowptr[N] <= E'``.
         col: [E'] source node of each CSR position (removed self-loops last).
         csc: the transpose (:func:`pyg_fastattn.ops.csr_to_csc`) that the
-            backward pass walks; it skips the removed tail.
+            backward pass walks; it skips the removed tail. Built on first
+            access (or by :func:`prepare`) and kept; under
+            ``torch.compile`` built in the compiled graph and not kept.
         csr_perm: [E'] int64, augmented position of each CSR position.
         removed: [E'] bool, in augmented order: input self-loops that GATConv
             removes (they are replaced by the added loops).
@@ -84,7 +97,7 @@ class PreparedGraph:
     """
     rowptr: Tensor
     col: Tensor
-    csc: CSC
+    _csc: Optional[CSC]
     csr_perm: Tensor
     removed: Tensor
     fill_index: Optional[Tensor]
@@ -95,6 +108,17 @@ class PreparedGraph:
     add_self_loops: bool
     layout: str = 'edge_index'
     index_dtype: torch.dtype = torch.int64
+
+    @property
+    def csc(self) -> CSC:
+        if self._csc is not None:
+            return self._csc
+        csc = CSC(*_build_csc(self.rowptr, self.col, self.num_src))
+        # Kept only when built eagerly: a compiled graph's outputs may live
+        # in memory that later replays (CUDA graphs) overwrite.
+        if not _is_compiling():
+            self._csc = csc
+        return csc
 
     @property
     def num_aug(self) -> int:
@@ -129,8 +153,9 @@ class PreparedGraph:
         def mv(t):
             return None if t is None else t.to(device, non_blocking=non_blocking)
 
+        csc = None if self._csc is None else CSC(*(mv(t) for t in self._csc))
         return PreparedGraph(
-            mv(self.rowptr), mv(self.col), CSC(*(mv(t) for t in self.csc)),
+            mv(self.rowptr), mv(self.col), csc,
             mv(self.csr_perm), mv(self.removed), mv(self.fill_index),
             self.num_src, self.num_dst, self.num_edges, self.num_loops,
             self.add_self_loops, self.layout, self.index_dtype)
@@ -160,17 +185,62 @@ def _check_edge_index(edge_index) -> None:
                          f'{tuple(edge_index.shape)}')
 
 
-def _validate_range(src: Tensor, dst: Tensor, num_src: Optional[int],
-                    num_dst: Optional[int]) -> Tuple[int, int]:
-    """Check indices (one host sync); infer missing sizes as max + 1."""
-    if src.numel() == 0:
-        return num_src or 0, num_dst or 0
+_VALIDATION_MODES = ('auto', 'sync', 'async', 'off')
+_validation = 'auto'
+
+
+def set_validation(mode: str) -> None:
+    r"""How graph preparation checks indices (for every layer and
+    :func:`prepare` call without its own ``validate``):
+
+    * ``'auto'`` (default): ``'sync'`` for CPU tensors (nothing to wait
+      for), ``'async'`` for GPU tensors;
+    * ``'sync'``: an ``IndexError`` that names the bad range. On a GPU, one
+      host synchronization per prepared graph;
+    * ``'async'``: a device-side assertion (``torch._assert_async``): no
+      host sync; a bad graph fails at a later synchronization with a CUDA
+      error, after which the process's CUDA context is unusable (as with an
+      out-of-range index in any CUDA op);
+    * ``'off'``: no check. Kernels clamp every index they read, so bad input
+      gives wrong numbers, never out-of-bounds memory access.
+
+    A claimed sort order (``sorted=True``, an ``EdgeIndex``'s) is checked
+    with the ranges.
+    """
+    global _validation
+    if mode not in _VALIDATION_MODES:
+        raise ValueError(f'validation mode must be one of '
+                         f'{_VALIDATION_MODES}, got {mode!r}')
+    _validation = mode
+
+
+def get_validation() -> str:
+    """The mode set by :func:`set_validation`."""
+    return _validation
+
+
+def _validation_mode(validate, device: torch.device) -> str:
+    if validate is None:
+        mode = _validation
+    elif isinstance(validate, bool):
+        mode = 'sync' if validate else 'off'
+    else:
+        mode = validate
+        if mode not in _VALIDATION_MODES:
+            raise ValueError(f'`validate` must be a bool or one of '
+                             f'{_VALIDATION_MODES}, got {mode!r}')
+    if mode == 'auto':
+        mode = 'async' if device.type == 'cuda' else 'sync'
+    if mode == 'async' and device.type == 'cpu':
+        mode = 'sync'  # the same check, and nothing to wait for
+    return mode
+
+
+def _range_error(src: Tensor, dst: Tensor, num_src: int,
+                 num_dst: int) -> None:
+    """Raise the IndexError that names the bad range, if any (host sync)."""
     smin, dmin, smax, dmax = torch.stack(
         [src.min(), dst.min(), src.max(), dst.max()]).tolist()
-    if num_src is None:
-        num_src = max(smax + 1, 0)
-    if num_dst is None:
-        num_dst = max(dmax + 1, 0)
     for what, lo, hi, n in (('source (row 0)', smin, smax, num_src),
                             ('destination (row 1)', dmin, dmax, num_dst)):
         if lo < 0 or hi >= n:
@@ -178,7 +248,42 @@ def _validate_range(src: Tensor, dst: Tensor, num_src: Optional[int],
                 f'`edge_index` has {what} indices out of range: min {lo}, max '
                 f'{hi}, but they must lie in [0, {n}) (the number of '
                 f'{"source" if "source" in what else "destination"} nodes)')
-    return num_src, num_dst
+
+
+def _infer_sizes(src: Tensor, dst: Tensor, num_src: Optional[int],
+                 num_dst: Optional[int]) -> Tuple[int, int]:
+    """Missing node counts as max index + 1 (one host sync)."""
+    if src.numel() == 0:
+        return num_src or 0, num_dst or 0
+    smax, dmax = torch.stack([src.max(), dst.max()]).tolist()
+    return (max(smax + 1, 0) if num_src is None else num_src,
+            max(dmax + 1, 0) if num_dst is None else num_dst)
+
+
+def _validate(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
+              is_sorted: bool, mode: str) -> None:
+    """Check index ranges (and a claimed order by destination)."""
+    if mode == 'off' or src.numel() == 0:
+        return
+    if mode == 'sync':
+        _range_error(src, dst, num_src, num_dst)
+        if is_sorted and src.numel() > 1 and not bool(
+                (dst[1:] >= dst[:-1]).all()):
+            raise ValueError('`edge_index` was declared sorted by '
+                             'destination (row 1) but is not')
+        return
+    smin, smax = torch.aminmax(src)
+    dmin, dmax = torch.aminmax(dst)
+    ok = (smin >= 0) & (smax < num_src) & (dmin >= 0) & (dmax < num_dst)
+    if is_sorted and src.numel() > 1:
+        ok = ok & (dst[1:] >= dst[:-1]).all()
+    torch._assert_async(ok, 'pyg_fastattn: `edge_index` has indices out of '
+                        'range (or is not sorted by destination as declared)')
+
+
+def _is_sorted_cpu(dst: Tensor) -> bool:
+    """Whether CPU indices are non-decreasing (one pass, no device wait)."""
+    return dst.numel() < 2 or bool((dst[1:] >= dst[:-1]).all())
 
 
 def _sparse_edges(adj, add_self_loops: bool):
@@ -221,66 +326,170 @@ def _index_dtype(num_aug, num_src, num_dst) -> torch.dtype:
     return torch.int64 if big else torch.int32
 
 
+def _ptr_of_sorted(index: Tensor, n: int, dtype: torch.dtype) -> Tensor:
+    """[n + 1] pointer of a non-decreasing ``index`` (like PyG's index2ptr)."""
+    bounds = torch.arange(n + 1, device=index.device, dtype=index.dtype)
+    return torch.searchsorted(index.contiguous(), bounds,
+                              out_int32=dtype == torch.int32).to(dtype)
+
+
+def _csr_sorted(src: Tensor, dst: Tensor, num_src: int, num_dst: int, L: int,
+                idx: torch.dtype, dst_ptr: Optional[Tensor]):
+    """The augmented CSR of edges already grouped by destination (``dst``
+    non-decreasing), without a sort: each edge's CSR position is counted.
+    Garbage in (unsorted, out of range) gives a garbage graph whose indices
+    all stay in range."""
+    device = src.device
+    E = src.numel()
+    if dst_ptr is None or dst_ptr.numel() != num_dst + 1:
+        dst_ptr = _ptr_of_sorted(dst, num_dst, torch.int64)
+    if L == 0:
+        perm = torch.arange(E, device=device)
+        removed = torch.zeros(E, dtype=torch.bool, device=device)
+        return (dst_ptr.to(idx, copy=True), src.to(idx, copy=True), perm,
+                removed, src.new_empty((0, ), dtype=torch.int64))
+    is_loop = src == dst
+    keep = ~is_loop
+    ck = torch.zeros(E + 1, dtype=torch.int64, device=device)
+    torch.cumsum(keep, 0, out=ck[1:])  # ck[e]: kept edges before e
+    ck_excl = ck[:-1]
+    kept_ptr = ck[dst_ptr.long().clamp(0, E)]  # [N + 1] kept edges per row
+    loops_before = torch.arange(num_dst + 1, device=device).clamp_(max=L)
+    rowptr = (kept_ptr + loops_before).to(idx)
+    # CSR position of each augmented edge. Row d: its kept edges in input
+    # order, then the loop (d, d) if d < L; removed self-loops after every
+    # row, in input order.
+    pos = torch.empty(E + L, dtype=torch.int64, device=device)
+    pos_in = pos[:E]
+    torch.add(ck_excl, dst.clamp(0, L), out=pos_in)
+    pos_removed = torch.arange(E, device=device).sub_(ck_excl).add_(
+        ck[-1] + L)
+    torch.where(keep, pos_in, pos_removed, out=pos_in)
+    torch.add(kept_ptr[1:L + 1], torch.arange(L, device=device),
+              out=pos[E:])
+    perm = torch.zeros(E + L, dtype=torch.int64, device=device)
+    perm.scatter_(0, pos, torch.arange(E + L, device=device))
+    loop = torch.arange(L, device=device)
+    col = torch.cat([src, loop])[perm].to(idx)
+    removed = torch.cat([is_loop, is_loop.new_zeros(L)])
+    fill_index = dst.masked_fill(is_loop | (dst >= L), L)
+    return rowptr, col, perm, removed, fill_index
+
+
+def _csr_sort(src: Tensor, dst: Tensor, num_src: int, num_dst: int, L: int,
+              idx: torch.dtype):
+    """The augmented CSR of edges in any order: one stable sort by
+    destination (removed self-loops keyed past the last row)."""
+    device = src.device
+    E = src.numel()
+    # 32-bit keys halve the radix passes of the sort.
+    kdt = torch.int32 if num_dst < 2**31 - 1 else torch.int64
+    if L > 0:
+        loop = torch.arange(L, device=device)
+        is_loop = src == dst
+        src_a = torch.cat([src, loop])
+        removed = torch.cat([is_loop, is_loop.new_zeros(L)])
+        key = torch.cat([dst, loop]).masked_fill_(removed, num_dst).to(kdt)
+        # Input edges feeding the loop fill value: kept, and dst < L.
+        fill_index = dst.masked_fill(is_loop | (dst >= L), L)
+    else:
+        src_a, key = src, dst.to(kdt)
+        fill_index = src.new_empty((0, ))
+        removed = torch.zeros(E, dtype=torch.bool, device=device)
+    key_sorted, perm = torch.sort(key, stable=True)
+    rowptr = _ptr_of_sorted(key_sorted, num_dst, idx)
+    col = src_a[perm].to(idx)
+    return rowptr, col, perm, removed, fill_index
+
+
 # One opaque op for torch.compile: traced inline, inductor's lowering of the
 # sorts and searches gave a wrong graph on CUDA.
 @torch.library.custom_op('pyg_fastattn::build_csr', mutates_args=())
 def _build_csr(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
-               add_self_loops: bool
-               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
-                          Tensor, Tensor, Tensor]:
-    """(rowptr, col, csr_perm, removed, fill_index (empty without loops),
-    colptr, csc_row, csc_perm, csc_inv) of the augmented edge list."""
-    device = src.device
+               add_self_loops: bool, is_sorted: bool,
+               dst_ptr: Optional[Tensor]
+               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(rowptr, col, csr_perm, removed, fill_index (empty without loops)) of
+    the augmented edge list. ``is_sorted``: ``dst`` is non-decreasing (no
+    sort); ``dst_ptr``: its [num_dst + 1] pointer when known."""
     src, dst = src.long(), dst.long()
-    E = src.numel()
     L = min(num_src, num_dst) if add_self_loops else 0
-    if L > 0:
-        loop = torch.arange(L, device=device)
-        is_loop = src == dst
-        src_a, dst_a = torch.cat([src, loop]), torch.cat([dst, loop])
-        removed = torch.cat([is_loop, is_loop.new_zeros(L)])
-        key = dst_a.masked_fill(removed, num_dst)
-        # Input edges feeding the loop fill value: kept, and dst < L.
-        fill_index = dst.masked_fill(is_loop | (dst >= L), L)
-    else:
-        src_a, key = src, dst
-        fill_index = src.new_empty((0, ))
-        removed = torch.zeros(E, dtype=torch.bool, device=device)
-    idx = _index_dtype(E + L, num_src, num_dst)
-    perm = torch.argsort(key, stable=True)
-    bounds = torch.arange(num_dst + 1, device=device)
-    rowptr = torch.searchsorted(key[perm].contiguous(), bounds).to(idx)
-    col = src_a[perm].to(idx)
-    csc = csr_to_csc(rowptr, col, num_src, validate=False)
-    return (rowptr, col, perm, removed, fill_index, *csc)
+    idx = _index_dtype(src.numel() + L, num_src, num_dst)
+    if is_sorted:
+        return _csr_sorted(src, dst, num_src, num_dst, L, idx, dst_ptr)
+    return _csr_sort(src, dst, num_src, num_dst, L, idx)
 
 
 @_build_csr.register_fake
-def _(src, dst, num_src, num_dst, add_self_loops):
+def _(src, dst, num_src, num_dst, add_self_loops, is_sorted, dst_ptr):
     E = src.shape[0]
     L = min(num_src, num_dst) if add_self_loops else 0
     idx = _index_dtype(E + L, num_src, num_dst)
     new = lambda n, dt: src.new_empty((n, ), dtype=dt)  # noqa: E731
     return (new(num_dst + 1, idx), new(E + L, idx), new(E + L, torch.int64),
-            new(E + L, torch.bool), new(E if L > 0 else 0, torch.int64),
-            new(num_src + 1, idx), new(E + L, idx), new(E + L, idx),
-            new(E + L, idx))
+            new(E + L, torch.bool), new(E if L > 0 else 0, torch.int64))
+
+
+@torch.library.custom_op('pyg_fastattn::build_csc', mutates_args=())
+def _build_csc(rowptr: Tensor, col: Tensor, num_src: int
+               ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(colptr, csc_row, csc_perm, csc_inv): :func:`csr_to_csc`."""
+    return tuple(csr_to_csc(rowptr, col, num_src, validate=False))
+
+
+@_build_csc.register_fake
+def _(rowptr, col, num_src):
+    E = col.shape[0]
+    new = lambda n: col.new_empty((n, ), dtype=rowptr.dtype)  # noqa: E731
+    return new(num_src + 1), new(E), new(E), new(E)
 
 
 def _build(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
-           add_self_loops: bool, layout: str,
-           index_dtype: torch.dtype) -> PreparedGraph:
+           add_self_loops: bool, layout: str, index_dtype: torch.dtype,
+           is_sorted: bool = False, dst_ptr: Optional[Tensor] = None,
+           csc: Optional[CSC] = None) -> PreparedGraph:
     """The CSR of the augmented edge list; no host sync."""
-    (rowptr, col, perm, removed, fill_index, *csc) = _build_csr(
-        src, dst, num_src, num_dst, add_self_loops)
+    (rowptr, col, perm, removed, fill_index) = _build_csr(
+        src, dst, num_src, num_dst, add_self_loops, is_sorted, dst_ptr)
     L = min(num_src, num_dst) if add_self_loops else 0
-    return PreparedGraph(rowptr, col, CSC(*csc), perm, removed,
+    return PreparedGraph(rowptr, col, csc, perm, removed,
                          fill_index if L > 0 else None, num_src, num_dst,
                          src.numel(), L, add_self_loops, layout, index_dtype)
 
 
+def _edge_index_meta(edge_index, num_src, num_dst):
+    """Sizes, sort order and cached pointers of a ``torch_geometric.EdgeIndex``
+    (what it knows without computing): (num_src, num_dst, sorted_by_dst,
+    dst_ptr, csc parts ``(colptr, perm)`` or None)."""
+    ns, nd = edge_index.sparse_size()
+    num_src = ns if num_src is None else num_src
+    num_dst = nd if num_dst is None else num_dst
+    by_dst = edge_index.is_sorted_by_col
+    dst_ptr = edge_index._indptr if by_dst else None
+    T = None
+    if by_dst and edge_index._T_perm is not None and \
+            edge_index._T_indptr is not None:
+        T = (edge_index._T_indptr, edge_index._T_perm)
+    return num_src, num_dst, by_dst, dst_ptr, T
+
+
+def _csc_from_transpose(T, src, dst, rowptr_dtype, num_src) -> Optional[CSC]:
+    """An ``EdgeIndex``'s cached transpose (sorted by source) as the CSC of a
+    graph without added loops (CSR positions = input positions)."""
+    colptr, perm = T
+    if colptr.numel() != num_src + 1:
+        return None
+    perm = perm.long()
+    inv = torch.empty_like(perm).scatter_(
+        0, perm, torch.arange(perm.numel(), device=perm.device))
+    dt = rowptr_dtype
+    return CSC(colptr.to(dt), dst.long()[perm].to(dt), perm.to(dt),
+               inv.to(dt))
+
+
 def _prepare(edge_index, num_src: Optional[int], num_dst: Optional[int],
-             add_self_loops: bool, validate: bool) -> PreparedGraph:
+             add_self_loops: bool, validate=None,
+             sorted: Optional[bool] = None) -> PreparedGraph:
     if is_sparse_adj(edge_index):
         src, dst, ns, nd, layout = _sparse_edges(edge_index, add_self_loops)
         for name, want, got in (('source', num_src, ns),
@@ -290,43 +499,80 @@ def _prepare(edge_index, num_src: Optional[int], num_dst: Optional[int],
                     f'the sparse adjacency has {got} {name} nodes '
                     f'(size {tuple(edge_index.size()[:2])}, rows = '
                     f'destinations) but the node features have {want}')
-        if validate:
-            _validate_range(src, dst, ns, nd)
+        _validate(src, dst, ns, nd, False,
+                  _validation_mode(validate, src.device))
         return _build(src, dst, ns, nd, add_self_loops, layout, src.dtype)
     _check_edge_index(edge_index)
+    dst_ptr = T = None
+    if (_EdgeIndex is not None and isinstance(edge_index, _EdgeIndex)
+            and not _is_compiling()):
+        num_src, num_dst, by_dst, dst_ptr, T = _edge_index_meta(
+            edge_index, num_src, num_dst)
+        if sorted is None:
+            sorted = by_dst
     if type(edge_index) is not Tensor and not _is_compiling():
         edge_index = edge_index.as_subclass(Tensor)  # e.g. PyG's EdgeIndex
     src, dst = edge_index[0], edge_index[1]
-    if validate or num_src is None or num_dst is None:
-        num_src, num_dst = _validate_range(src, dst, num_src, num_dst)
+    mode = _validation_mode(validate, src.device)
+    if num_src is None or num_dst is None:
+        num_src, num_dst = _infer_sizes(src, dst, num_src, num_dst)
+        if mode == 'async':
+            mode = 'sync'  # synchronized already: name the error
+    if sorted is None:
+        sorted = (src.device.type == 'cpu' and not _is_compiling()
+                  and _is_sorted_cpu(dst))
+    if not sorted:
+        dst_ptr = T = None
+    _validate(src, dst, num_src, num_dst, sorted, mode)
+    csc = None
+    if T is not None and not add_self_loops and not _is_compiling():
+        idx = _index_dtype(src.numel(), num_src, num_dst)
+        csc = _csc_from_transpose(T, src, dst, idx, num_src)
     return _build(src, dst, num_src, num_dst, add_self_loops, 'edge_index',
-                  edge_index.dtype)
+                  edge_index.dtype, sorted, dst_ptr, csc)
 
 
 def prepare(edge_index, num_nodes: Optional[int] = None,
             size: Optional[Tuple[int, int]] = None,
-            add_self_loops: bool = True) -> PreparedGraph:
+            add_self_loops: bool = True, validate=None,
+            sorted: Optional[bool] = None,
+            transpose: bool = True) -> PreparedGraph:
     r"""Prepare a graph once for :class:`FastGATConv` layers.
 
     Args:
         edge_index: [2, E] integer tensor (row 0 = sources, row 1 =
-            destinations), or a sparse adjacency ``adj_t`` (torch.sparse
-            COO/CSR/CSC or ``torch_sparse.SparseTensor``, rows =
-            destinations).
+            destinations), a ``torch_geometric.EdgeIndex`` (its sparse size,
+            sort order and cached pointers are used), or a sparse adjacency
+            ``adj_t`` (torch.sparse COO/CSR/CSC or
+            ``torch_sparse.SparseTensor``, rows = destinations).
         num_nodes: node count of a non-bipartite graph.
         size: ``(num_src, num_dst)`` of a bipartite graph. Without
-            ``num_nodes`` or ``size``, sizes are ``max index + 1``.
+            ``num_nodes`` or ``size`` (or an ``EdgeIndex``'s sparse size),
+            sizes are ``max index + 1``: one host sync.
         add_self_loops: must match the layers' ``add_self_loops``.
+        validate: ``True`` (``'sync'``), ``False`` (``'off'``), a mode of
+            :func:`set_validation`, or None for the mode set there
+            (``'auto'``: an exact ``IndexError`` on CPU, a device-side
+            assertion without host sync on GPU).
+        sorted: ``True`` when ``edge_index[1]`` is non-decreasing (grouped
+            by destination, as a sampler's output): the sort is skipped.
+            None: an ``EdgeIndex``'s sort order; else checked on CPU
+            tensors, assumed unsorted on GPU (checking would need a sync).
+        transpose: build the transpose that backward passes walk now (it
+            keeps that work out of compiled steps); False builds it on
+            first access.
 
     Returns:
         a :class:`PreparedGraph`; pass it as ``edge_index`` to layers whose
-        node counts match. Validates indices (``IndexError`` when out of
-        range or negative, ``ValueError`` for a wrong shape): one host sync.
+        node counts match. ``ValueError`` for a wrong shape or dtype.
     """
     if size is not None and num_nodes is not None:
         raise ValueError('pass either `num_nodes` or `size`, not both')
     ns, nd = (size if size is not None else (num_nodes, num_nodes))
-    return _prepare(edge_index, ns, nd, add_self_loops, validate=True)
+    graph = _prepare(edge_index, ns, nd, add_self_loops, validate, sorted)
+    if transpose and not _is_compiling():
+        graph.csc  # noqa: B018 (builds and keeps the transpose)
+    return graph
 
 
 # Cache ######################################################################
@@ -382,7 +628,7 @@ class _GraphCache:
                 self._d.move_to_end(key)
                 self.hits += 1
                 return e.graph
-        graph = _prepare(edge_index, num_src, num_dst, add_self_loops, True)
+        graph = _prepare(edge_index, num_src, num_dst, add_self_loops)
         try:
             ref = weakref.ref(edge_index, lambda r, k=key: self._drop(k, r))
         except TypeError:  # pragma: no cover (not weak-referenceable)
@@ -428,5 +674,5 @@ def get_graph(edge_index, num_src: Optional[int], num_dst: Optional[int],
     """The prepared graph for a layer call: cached eagerly; built inline,
     unvalidated and uncached while ``torch.compile`` traces."""
     if _is_compiling():
-        return _prepare(edge_index, num_src, num_dst, add_self_loops, False)
+        return _prepare(edge_index, num_src, num_dst, add_self_loops, 'off')
     return _cache.get(edge_index, num_src, num_dst, add_self_loops)
