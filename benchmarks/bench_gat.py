@@ -186,10 +186,13 @@ class FloorConv(torch.nn.Module):
         return h if self.bias is None else h + self.bias
 
 
-def load_matching(module, state):
-    """Load the entries of ``state`` that ``module`` has (all of its own)."""
+def load_matching(module, state, strict=True):
+    """Load the entries of ``state`` that ``module`` has (all of its own, or
+    with ``strict=False`` those ``state`` has: the floor of a layer whose
+    names differ from GATConv's keeps its own initialization)."""
     own = module.state_dict()
-    module.load_state_dict({k: v for k, v in state.items() if k in own})
+    module.load_state_dict({k: v for k, v in state.items() if k in own},
+                           strict=strict)
     return module
 
 
@@ -322,13 +325,25 @@ def cuda_graph_epoch(model, x, ei, y, train_idx, lr, wd):
 # ----------------------------------------------------------------------------
 # workloads
 # ----------------------------------------------------------------------------
+# --conv: (PyG layer, drop-in) of each layer family
+CONVS = {'gat': ('GATConv', 'FastGATConv'),
+         'gatv2': ('GATv2Conv', 'FastGATv2Conv'),
+         'transformer': ('TransformerConv', 'FastTransformerConv')}
+
+
+def pyg_cls(args):
+    return getattr(importlib.import_module('torch_geometric.nn'),
+                   CONVS[args.conv][0])
+
+
 def fast_cls(args):
     if args.fast_impl:
         mod, name = args.fast_impl.split(':')
         return getattr(importlib.import_module(mod), name)
     if FastGATConv is None:
         raise RuntimeError(f'FastGATConv unavailable: {_FAST_ERR}')
-    return FastGATConv
+    return getattr(importlib.import_module('pyg_fastattn'),
+                   CONVS[args.conv][1])
 
 
 def epoch_workload(name, dev, args, provs) -> List[dict]:
@@ -348,7 +363,7 @@ def epoch_workload(name, dev, args, provs) -> List[dict]:
     base.update(nodes=N, edges=E, in_channels=x.size(1), data_source=src)
     lr, wd = 0.005, 5e-4
     torch.manual_seed(0)
-    pyg_model = GAT(GATConv, x.size(1), 8, C).to(dev)
+    pyg_model = GAT(pyg_cls(args), x.size(1), 8, C).to(dev)
     recs = []
 
     # eval-mode outputs with identical weights (correctness)
@@ -357,8 +372,9 @@ def epoch_workload(name, dev, args, provs) -> List[dict]:
         ref = pyg_model(x, ei)
     state = copy.deepcopy(pyg_model.state_dict())
 
-    def build(conv):
-        return load_matching(GAT(conv, x.size(1), 8, C).to(dev), state)
+    def build(conv, strict=True):
+        return load_matching(GAT(conv, x.size(1), 8, C).to(dev), state,
+                             strict)
 
     def run(provider, make, amp=None, check=True):
         """Build the model, compare its eval outputs with PyG's, time one
@@ -393,7 +409,7 @@ def epoch_workload(name, dev, args, provs) -> List[dict]:
         run('fast_bf16', lambda: build(fast_cls(args)), amp=dev.type)
         free_memory(dev)
     if 'floor' in provs:
-        run('floor', lambda: build(FloorConv), check=False)
+        run('floor', lambda: build(FloorConv, strict=False), check=False)
         free_memory(dev)
 
     # fast + CUDA graph
@@ -428,7 +444,7 @@ def epoch_workload(name, dev, args, provs) -> List[dict]:
     # PyG under torch.compile: the eval-mode check would compile a second
     # graph, so no rel_err here.
     if 'pyg_compile' in provs:
-        r = run('pyg_compile', lambda: compile_fresh(build(GATConv)),
+        r = run('pyg_compile', lambda: compile_fresh(build(pyg_cls(args))),
                 check=False)
         compile_stats(r)
         torch._dynamo.reset()
@@ -464,7 +480,7 @@ def layer_workload(N, E, fin, H, C, mode, dev, args, provs,
     x = randn((N, fin), dev, 12)
     gout = randn((N, H * C), dev, 13) if mode == 'fwd+bwd' else None
     torch.manual_seed(0)
-    pyg_conv = GATConv(fin, C, heads=H).to(dev)
+    pyg_conv = pyg_cls(args)(fin, C, heads=H).to(dev)
     state = copy.deepcopy(pyg_conv.state_dict())
 
     def fn_for(conv, amp=None):
@@ -541,7 +557,8 @@ def layer_workload(N, E, fin, H, C, mode, dev, args, provs,
         r = dict(base, provider='floor')
         recs.append(r)
         st, floor, msg = guarded(
-            lambda: load_matching(FloorConv(fin, C, heads=H).to(dev), state),
+            lambda: load_matching(FloorConv(fin, C, heads=H).to(dev), state,
+                                  strict=False),
             dev)
         if st != 'ok':
             r.update(status=st, message=msg)
@@ -554,7 +571,7 @@ def layer_workload(N, E, fin, H, C, mode, dev, args, provs,
         r = dict(base, provider='pyg_compile')
         recs.append(r)
         st, comp, msg = guarded(lambda: compile_fresh(load_matching(
-            GATConv(fin, C, heads=H).to(dev), state)), dev)
+            pyg_cls(args)(fin, C, heads=H).to(dev), state)), dev)
         if st != 'ok':
             r.update(status=st, message=msg)
         else:
@@ -689,7 +706,8 @@ def markdown(meta, records) -> str:
             '(launch cost plus any wait the call forces)' if cuda else
             'median of the same perf_counter samples (on CPU host time = wall '
             'time)')
-    head = [f'# FastGATConv vs GATConv ({meta["device"]})', '']
+    pyg_name, fast_name = CONVS[meta.get('conv', 'gat')]
+    head = [f'# {fast_name} vs {pyg_name} ({meta["device"]})', '']
     head += [f'- {line}' for line in env_lines(meta)]
     head += [f'- graphs with hubs: {SKEWED_DOC}']
     head += [f'- command: `{meta["command"]}`',
@@ -850,6 +868,9 @@ def main(argv=None):
                          + ','.join(PROVIDERS) + '; fast+graph also needs '
                          '--cuda-graph and CUDA)')
     add_timing_args(ap)
+    ap.add_argument('--conv', default='gat', choices=sorted(CONVS),
+                    help='layer family: GATConv, GATv2Conv or '
+                         'TransformerConv against its drop-in')
     ap.add_argument('--fast-impl', default=None,
                     help='module:Class used as the fast conv (testing the '
                          'harness, e.g. torch_geometric.nn:GATConv)')
@@ -873,7 +894,8 @@ def main(argv=None):
     meta = env_info(dev)
     meta['command'] = ' '.join([os.path.basename(sys.executable)] + sys.argv)
     meta['quick'] = args.quick
-    meta['fast_impl'] = args.fast_impl or 'pyg_fastattn.FastGATConv'
+    meta['fast_impl'] = args.fast_impl or f'pyg_fastattn.{CONVS[args.conv][1]}'
+    meta['conv'] = args.conv
     meta['providers'] = [p for p in PROVIDERS if p in provs and (
         p != 'fast+graph' or (args.cuda_graph and dev.type == 'cuda'))]
     for line in env_lines(meta):
@@ -882,7 +904,7 @@ def main(argv=None):
         print(f'WARNING: FastGATConv unavailable ({_FAST_ERR}); only PyG runs',
               flush=True)
     out_dir = Path(args.out)
-    stem = f'gat_{dev.type}'
+    stem = f'{args.conv}_{dev.type}'
     budget = Budget(args.budget_s)
     records: List[dict] = []
     skipped = []

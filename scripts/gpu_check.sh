@@ -163,7 +163,7 @@ collect() {
                 echo
             }
         done
-        for f in "$BENCH/ops_$DEV.md" "$BENCH/gat_$DEV.md"; do
+        for f in "$BENCH/ops_$DEV.md" "$BENCH"/*_"$DEV".md; do
             [ -f "$f" ] && {
                 cat "$f"
                 echo
@@ -183,8 +183,8 @@ collect() {
     tail_into "$OUT/tests.log" 400 "$LOGS/tests_cuda.log" "$LOGS/tests.log" "$LOGS"/tests_*.part
     tail_into "$OUT/bench.log" 300 "$LOGS/ops.log" "$LOGS/gat.log" "$LOGS/ddp.log"
     tail_into "$OUT/profile.log" 600 "$LOGS/profile.log"
-    for f in "ops_$DEV.md" "gat_$DEV.md" "gat_$DEV.png"; do
-        [ -f "$BENCH/$f" ] && cp "$BENCH/$f" "$OUT/$f"
+    for f in "$BENCH"/*_"$DEV".md "$BENCH/gat_$DEV.png"; do
+        [ -f "$f" ] && cp "$f" "$OUT/"
     done
     [ -f "$OUT/build.log" ] && [ ! -s "$OUT/build.log" ] && rm -f "$OUT/build.log"
     [ -f "$OUT/tests.log" ] && [ ! -s "$OUT/tests.log" ] && rm -f "$OUT/tests.log"
@@ -237,7 +237,8 @@ run_step() {
 }
 
 
-run_step info "${T_INFO:-60}" '
+# GPU_CHECK_INFO=0 skips the info step (a second call on a warm machine)
+[ "${GPU_CHECK_INFO:-1}" = 0 ] || run_step info "${T_INFO:-60}" '
 nvidia-smi || echo "nvidia-smi failed"
 echo
 echo "python: $(python3 --version 2>&1) at $(command -v python3)"
@@ -313,7 +314,13 @@ if [ $want_ops -eq 1 ]; then
 fi
 
 if [ $want_gat -eq 1 ]; then
-    run_step gat "${T_GAT:-240}" "python3 benchmarks/bench_gat.py --device $DEV --cuda-graph --out '$BENCH' --budget-s \$(( STEP_LIMIT > 120 ? STEP_LIMIT - 60 : STEP_LIMIT / 2 )) $quick ${BENCH_ONLY:+--only '$BENCH_ONLY'} ${BENCH_PROVIDERS:+--providers '$BENCH_PROVIDERS'}"
+    # BENCH_CONVS: layer families, one bench_gat.py run each (share of the
+    # step's time); gat by default
+    run_step gat "${T_GAT:-240}" "convs=(${BENCH_CONVS:-gat}); share=\$(( STEP_LIMIT / \${#convs[@]} )); rc=0
+for c in \${convs[@]}; do
+    python3 benchmarks/bench_gat.py --conv \$c --device $DEV --cuda-graph --out '$BENCH' --budget-s \$(( share > 120 ? share - 60 : share / 2 )) $quick ${BENCH_ONLY:+--only '$BENCH_ONLY'} ${BENCH_PROVIDERS:+--providers '$BENCH_PROVIDERS'} || rc=1
+done
+exit \$rc"
 fi
 
 if [ $want_profile -eq 1 ]; then
