@@ -277,13 +277,23 @@ def compile_stats(record: dict):
 
 
 def rel_err(a, b) -> float:
-    """max |a - b| / max |b|, the worst over tensors when given tuples."""
-    if not isinstance(a, torch.Tensor):
-        return max(rel_err(x, y) for x, y in zip(a, b))
-    a, b = a.detach().double(), b.detach().double()
-    scale = b.abs().max().item()
-    d = (a - b).abs().max().item()
-    return d / scale if scale > 0 else d
+    """max |a - b| / max |b|, the worst over tensors when given tuples, each
+    scaled by at least 1e-3 of the largest |b| of all: a gradient that is
+    zero in exact arithmetic (TransformerConv's key bias: a constant shift
+    of every score of a row) is rounding noise in both, not an error."""
+    if isinstance(a, torch.Tensor):
+        a, b = (a, ), (b, )
+    floor = 1e-3 * max((y.detach().abs().max().item() for y in b
+                        if y.numel()), default=0.0)
+    worst = 0.0
+    for x, y in zip(a, b):
+        if not y.numel():
+            continue
+        x, y = x.detach().double(), y.detach().double()
+        scale = max(y.abs().max().item(), floor)
+        d = (x - y).abs().max().item()
+        worst = max(worst, d / scale if scale > 0 else d)
+    return worst
 
 
 # One side stream per device for every warm-up and capture: cuBLAS keeps a
