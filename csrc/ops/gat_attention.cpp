@@ -1,6 +1,6 @@
 // gat_attention: GAT's whole attention layer core in one op (and its
 // backward): optionally h = x @ weight.t(), the per-node score terms
-// a = <h, att>, the fused attention kernel (with the bias added
+// a = <h, att> as one GEMM, the fused attention kernel (with the bias added
 // in its store). Device-generic: the GEMMs are ATen's, the attention kernels
 // are reached through the dispatcher (so a reference override is honoured).
 // The schema lives in pyg_fastattn/ops/gat.py; the autograd kernel is here
@@ -77,19 +77,7 @@ at::Tensor score_weight_grad(const at::Tensor& P, int64_t H, int64_t C,
   return P.view({H, C, K, H}).diagonal(0, 0, 3).permute({1, 2, 0}).contiguous();
 }
 
-// <h[n, h], att[0, h]> for h [N, H, C], att [1, H, C]: [N, H].
-at::Tensor score(const at::Tensor& h, const at::Tensor& att) {
-  return h.mul(att).sum(-1);
-}
-
-// Score-term gradients without a GEMM: g_h += g_a[..., None] * att and
-// grad_att = sum_n g_a[n, h] * h[n, h, :] ([1, H, C]).
-at::Tensor score_backward(at::Tensor& g_h, const at::Tensor& h,
-                          const at::Tensor& att, const at::Tensor& g_a) {
-  const at::Tensor g = g_a.unsqueeze(-1);
-  g_h.addcmul_(g, att);
-  return h.mul(g).sum(0, /*keepdim=*/true);
-}
+at::Tensor flat(const at::Tensor& h) { return h.reshape({h.size(0), -1}); }
 
 at::Tensor none_like(const at::Tensor& ref) { return at::empty({0}, ref.options()); }
 
@@ -149,13 +137,16 @@ gat_attention(const at::Tensor& rowptr, const at::Tensor& col,
   const at::Tensor h = weight.has_value()
                            ? x->mm(weight->t()).view({-1, H, C})
                            : h_src->reshape({-1, H, C}).contiguous();
-  // a = <h, att> per node and head: two kernels per term (mul, sum)
-  const at::Tensor a_src = score(h, att_src);
-  at::Tensor a_dst;
-  if (dst_is_src)
-    a_dst = score(h, att_dst);
-  else if (h_dst.has_value())
-    a_dst = score(h_dst->reshape({-1, H, C}), att_dst);
+  const int64_t Ns = h.size(0);
+  at::Tensor a_src, a_dst;
+  if (dst_is_src) {  // one GEMM for both terms
+    const at::Tensor a = h.view({Ns, HC}).mm(score_weight(at::cat({att_src, att_dst})));
+    a_src = a.slice(1, 0, H).contiguous();
+    a_dst = a.slice(1, H, 2 * H).contiguous();
+  } else {
+    a_src = h.view({Ns, HC}).mm(score_weight(att_src));
+    if (h_dst.has_value()) a_dst = flat(*h_dst).mm(score_weight(att_dst));
+  }
   auto [out, lse] = call_attention(rowptr, col, a_src, opt(a_dst), a_edge,
                                    mask, h, negative_slope, bias);
   return {out, lse, weight.has_value() ? h : none_like(h), a_src,
@@ -192,31 +183,33 @@ std::vector<at::Tensor> gat_attention_backward(
   at::Tensor g_h2 = g_h.view({Ns, HC});
   at::Tensor g_x, g_w, g_h_dst, g_att_src, g_att_dst;
   if (dst_is_src) {
+    const at::Tensor B = score_weight(at::cat({att_src, att_dst}));
+    const at::Tensor g_a = at::cat({g_src, g_dst}, 1);
+    at::Tensor P;
     // Through x when x is no wider than about h: a wide x (Cora's 1433
     // features) costs more to read than g_h's update.
     if (weight.has_value() && !need_x && x->size(1) <= 2 * HC) {
-      const at::Tensor B = score_weight(at::cat({att_src, att_dst}));
-      const at::Tensor M = x->t().mm(at::cat({g_src, g_dst}, 1));
+      const at::Tensor M = x->t().mm(g_a);
       if (need_w) g_w = g_h2.t().mm(*x).addmm_(B, M.t());
-      const at::Tensor P = weight->mm(M);
-      const at::Tensor g_att = score_weight_grad(P, H, C, 2);
-      // two outputs: no shared storage (compilers reuse output buffers)
-      g_att_src = g_att.slice(0, 0, 1).clone();
-      g_att_dst = g_att.slice(0, 1, 2).clone();
+      P = weight->mm(M);
     } else {
-      g_att_src = score_backward(g_h, h, att_src, g_src);
-      g_att_dst = score_backward(g_h, h, att_dst, g_dst);
+      g_h2.addmm_(g_a, B.t());
+      P = flat(h).t().mm(g_a);
       if (weight.has_value()) {
         if (need_x) g_x = g_h2.mm(*weight);
         if (need_w) g_w = g_h2.t().mm(*x);
       }
     }
+    const at::Tensor g_att = score_weight_grad(P, H, C, 2);
+    // two outputs: no shared storage (compilers reuse output buffers)
+    g_att_src = g_att.slice(0, 0, 1).clone();
+    g_att_dst = g_att.slice(0, 1, 2).clone();
   } else {
-    g_att_src = score_backward(g_h, h, att_src, g_src);
+    g_h2.addmm_(g_src, score_weight(att_src).t());
+    g_att_src = score_weight_grad(flat(h).t().mm(g_src), H, C, 1);
     if (g_dst.defined()) {
-      const at::Tensor g = g_dst.unsqueeze(-1);
-      g_h_dst = g.mul(att_dst).view(h_dst->sizes());
-      g_att_dst = h_dst->reshape({-1, H, C}).mul(g).sum(0, /*keepdim=*/true);
+      g_h_dst = g_dst.mm(score_weight(att_dst).t()).view(h_dst->sizes());
+      g_att_dst = score_weight_grad(flat(*h_dst).t().mm(g_dst), H, C, 1);
     }
   }
   at::Tensor g_bias;
