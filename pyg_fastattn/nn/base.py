@@ -194,7 +194,6 @@ class FusedAttentionConv(MessagePassing):
     def _graph(self, edge_index, x_src: Tensor, x_dst: Optional[Tensor],
                size, edge_attr: Optional[Tensor]) -> PreparedGraph:
         loops = bool(getattr(self, 'add_self_loops', False))
-        name = self._pyg_name()
         Ns = x_src.size(0)
         if is_sparse_adj(edge_index):
             is_torch_sparse = isinstance(edge_index, Tensor)
@@ -203,12 +202,13 @@ class FusedAttentionConv(MessagePassing):
                 raise NotImplementedError(
                     "The usage of 'edge_attr' and 'add_self_loops' "
                     "simultaneously is currently not yet supported for "
-                    f"'edge_index' in a sparse form (as in {name})")
+                    "'edge_index' in a sparse form "
+                    f"(as in {self._pyg_name()})")
             if (loops and is_torch_sparse
                     and edge_index.layout == torch.sparse_csc):
                 raise ValueError(
                     "add_self_loops=True needs a COO or CSR adjacency "
-                    f"(as in {name}); got a CSC tensor")
+                    f"(as in {self._pyg_name()}); got a CSC tensor")
             Nd = x_dst.size(0) if x_dst is not None else edge_index.size(0)
             return get_graph(edge_index, Ns, Nd, loops)
 
