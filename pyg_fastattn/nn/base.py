@@ -128,11 +128,17 @@ class FusedAttentionConv(MessagePassing):
 
     # The fused path #########################################################
 
-    def fused_path(self) -> bool:
+    def fused_path(self, edge_index=None) -> bool:
         """Whether the fused kernels compute this layer (else the subclass
-        falls back to PyG's message passing)."""
-        return (self.aggr in ('add', 'sum') and self.flow == 'source_to_target'
-                and not self._explain)
+        falls back to PyG's message passing, which cannot take a
+        :class:`PreparedGraph` ``edge_index``: that raises)."""
+        fused = (self.aggr in ('add', 'sum')
+                 and self.flow == 'source_to_target' and not self._explain)
+        if not fused and isinstance(edge_index, PreparedGraph):
+            raise ValueError(
+                'a PreparedGraph needs the fused path (aggr="add", '
+                'flow="source_to_target", explain off); pass edge_index')
+        return fused
 
     def fused_propagate(self, graph: PreparedGraph, values: Tensor, x_src,
                         x_dst, edge_attr: Optional[Tensor], edge_index,

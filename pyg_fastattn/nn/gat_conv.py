@@ -93,11 +93,7 @@ class FastGATConv(FusedAttentionConv, GATConv):
         return_attention_weights: Optional[bool] = None,
     ):
         r"""Runs the layer; see the class docstring for shapes."""
-        if not self.fused_path():
-            if isinstance(edge_index, PreparedGraph):
-                raise ValueError(
-                    'a PreparedGraph needs the fused path (aggr="add", '
-                    'flow="source_to_target", explain off); pass edge_index')
+        if not self.fused_path(edge_index):
             return super().forward(x, edge_index, edge_attr, size,
                                    return_attention_weights)
 
