@@ -1,4 +1,4 @@
-"""Datasets for the examples and benchmarks, found locally (never downloaded).
+"""Datasets for the examples and benchmarks: local files, else PyG's download.
 
 * :func:`load_planetoid` finds the Planetoid raw files (``ind.<name>.*``) in
   a root folder and lets PyG process them in a writable cache, so a read-only
@@ -88,14 +88,17 @@ def _sync_raw(src: Path, dst: Path, name: str) -> bool:
     return changed
 
 
-def not_found_message(name: str, root=None) -> str:
+def not_found_message(name: str, root=None, download_error=None) -> str:
     looked = '\n'.join(f'  - {p}  ({why})' for p, why in _candidate_roots(root))
     files = ','.join(_RAW_SUFFIXES)
     msg = (f'Planetoid dataset {name!r} not found. Looked in:\n{looked}\n'
            f'Provide the raw files with --root DIR (or the environment '
            f'variable PYG_FASTATTN_DATA=DIR), where DIR/{name}/raw/ holds '
            f'ind.{name.lower()}.{{{files}}} (the Planetoid files, e.g. from '
-           f'github.com/kimiyoung/planetoid). Nothing is downloaded.')
+           f'github.com/kimiyoung/planetoid).')
+    msg += (' Downloading them through PyG failed: '
+            f'{download_error}' if download_error else ' Nothing was '
+            'downloaded.')
     if name == 'PubMed':
         msg += ('\nPubMed is not bundled with this checkout; use --synthetic '
                 'for a PubMed-sized random graph (timings and memory only; '
@@ -103,9 +106,31 @@ def not_found_message(name: str, root=None) -> str:
     return msg
 
 
-def load_planetoid(name: str, root=None):
+def _download(name: str, root, transform):
+    """PyG's own download into the first candidate root (never ../shared);
+    (dataset, None) or (None, why it failed). Sockets time out after 60 s."""
+    import socket
+    from torch_geometric.datasets import Planetoid
+    target = _candidate_roots(root)[0][0]
+    existed = (target / name).exists()
+    old = socket.getdefaulttimeout()
+    socket.setdefaulttimeout(60)
+    try:
+        return Planetoid(str(target), name, transform=transform), None
+    except Exception as e:  # noqa: BLE001 (offline: URLError, OSError, ...)
+        # leave no half-downloaded folder behind
+        shutil.rmtree(target / name if not existed else target / name / 'raw',
+                      ignore_errors=True)
+        return None, f'{type(e).__name__}: {e}'.splitlines()[0][:300]
+    finally:
+        socket.setdefaulttimeout(old)
+
+
+def load_planetoid(name: str, root=None, download: bool = True):
     """Load a Planetoid dataset (Cora, CiteSeer, PubMed; public split) with
-    ``NormalizeFeatures``, from local files only.
+    ``NormalizeFeatures``, from local files, or downloaded through PyG into
+    the first root (``root``, else ``$PYG_FASTATTN_DATA``, else
+    ``./data/Planetoid``) when none holds them and ``download`` is True.
 
     The root is ``root`` if given, else ``$PYG_FASTATTN_DATA``, else
     ``./data/Planetoid``, then the checkout's ``../shared/data/Planetoid``
@@ -149,7 +174,12 @@ def load_planetoid(name: str, root=None):
                 return Planetoid(str(cache), name, transform=transform)
             finally:
                 fcntl.flock(lock, fcntl.LOCK_UN)
-    raise DatasetNotFoundError(not_found_message(name, root))
+    why = None
+    if download:
+        ds, why = _download(name, root, transform)
+        if ds is not None:
+            return ds
+    raise DatasetNotFoundError(not_found_message(name, root, why))
 
 
 def synthetic_pubmed(seed: int = 0):

@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 
 from conftest import EXAMPLE, load_example as _example
 
@@ -28,6 +29,35 @@ def test_no_data_exits_with_clear_message(tmp_path):
     assert 'not found' in proc.stderr and str(tmp_path) in proc.stderr
     assert 'PYG_FASTATTN_DATA' in proc.stderr
     assert 'ind.cora' in proc.stderr
+
+
+def test_missing_data_is_downloaded_through_pyg(tmp_path, monkeypatch):
+    """No root holds the files: PyG's Planetoid downloads them into the
+    root; when that fails the error says why and leaves no folder."""
+    import torch_geometric.datasets as D
+
+    from pyg_fastattn.datasets import DatasetNotFoundError, load_planetoid
+    calls = []
+
+    def fake(root, name, transform=None):
+        calls.append((root, name))
+        return 'downloaded'
+
+    monkeypatch.setattr(D, 'Planetoid', fake)
+    assert load_planetoid('Cora', root=tmp_path / 'a') == 'downloaded'
+    assert calls == [(str(tmp_path / 'a'), 'Cora')]
+
+    def offline(root, name, transform=None):
+        os.makedirs(os.path.join(root, name, 'raw'))
+        raise OSError('Name or service not known')
+
+    monkeypatch.setattr(D, 'Planetoid', offline)
+    with pytest.raises(DatasetNotFoundError,
+                       match='Downloading them through PyG failed: OSError'):
+        load_planetoid('Cora', root=tmp_path / 'b')
+    assert not (tmp_path / 'b' / 'Cora').exists()
+    with pytest.raises(DatasetNotFoundError, match='Nothing was downloaded'):
+        load_planetoid('Cora', root=tmp_path / 'c', download=False)
 
 
 @functools.lru_cache(maxsize=None)
@@ -57,3 +87,18 @@ def test_bf16_autocast_reaches_fp32_accuracy(shared_data_root):
     fp32, a_32 = _mean_acc(shared_data_root)
     bf16, a_16 = _mean_acc(shared_data_root, amp='bf16')
     assert bf16 >= fp32 - 0.01, (a_32, a_16)
+
+
+@pytest.mark.parametrize('family', ['gatv2', 'transformer'])
+def test_example_trains_other_layer_families(family):
+    """--model gatv2|transformer: both layers train and the drop-in's loss
+    curve equals PyG's on the same seed (no dropout)."""
+    mod = _example()
+    data, _ = mod.load_data('Cora', None, synthetic=True)
+    accs = {layer: mod.train(data, layer, epochs=3, device='cpu', seed=0,
+                             dropout=0.0, measure_memory=False,
+                             family=family)
+            for layer in ('fast', 'pyg')}
+    assert accs['fast']['test_acc'] == pytest.approx(accs['pyg']['test_acc'],
+                                                     abs=0.01)
+    assert len(accs['fast']['epoch_times']) == 3
