@@ -21,8 +21,11 @@ optimizer step; evaluation excluded) after the warm-up epochs, whose time
 --compile wraps the model in torch.compile. From Python:
 ``run(layer='fast', amp='bf16', compile='default')['test_acc']``.
 
-Data are never downloaded: see ``pyg_fastattn.datasets.load_planetoid``
-(--root DIR or PYG_FASTATTN_DATA=DIR with DIR/Cora/raw/ind.cora.*).
+Data: DIR/Cora/raw/ind.cora.* under --root DIR or PYG_FASTATTN_DATA=DIR
+(``pyg_fastattn.datasets.load_planetoid``); when no root holds them, PyG
+downloads them into the first root (offline: a clear message, exit 2).
+--model gatv2|transformer trains the same model with GATv2Conv or
+TransformerConv layers (and their drop-ins).
 """
 import argparse
 import copy
@@ -41,13 +44,18 @@ except ImportError:  # running from a source checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import pyg_fastattn
 
-from torch_geometric.nn import GATConv
+from torch_geometric.nn import GATConv, GATv2Conv, TransformerConv
 
-from pyg_fastattn import FastGATConv, prepare
+from pyg_fastattn import (FastGATConv, FastGATv2Conv, FastTransformerConv,
+                          prepare)
 from pyg_fastattn.datasets import (DatasetNotFoundError, load_planetoid,
                                    synthetic_pubmed)
 
 LAYERS = {'fast': FastGATConv, 'pyg': GATConv}
+# --model: the layer family, {layer: class} as LAYERS
+MODELS = {'gat': LAYERS,
+          'gatv2': {'fast': FastGATv2Conv, 'pyg': GATv2Conv},
+          'transformer': {'fast': FastTransformerConv, 'pyg': TransformerConv}}
 
 
 class GAT(torch.nn.Module):
@@ -175,8 +183,9 @@ def _side_stream(device):
 def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
           hidden=8, heads=8, dropout=0.6, device=None, seed=0, log_every=0,
           cuda_graph=False, measure_memory=True, log=print, amp='none',
-          compile='none'):
-    """Train one GAT and return a dict: ``test_acc`` (at the best validation
+          compile='none', family='gat'):
+    """Train one GAT (``family``: 'gat', 'gatv2' or 'transformer' layers) and
+    return a dict: ``test_acc`` (at the best validation
     epoch), ``final_test_acc`` (at the last epoch), ``best_val_acc``,
     ``best_epoch``, ``epoch_times`` (seconds per training step, warm-up
     included), ``warmup_epochs``, ``warmup_s`` (training steps and
@@ -195,9 +204,11 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
     num_classes = int(data.y.max()) + 1
     data = data.to(device)
     torch.manual_seed(seed)
-    model = GAT(LAYERS[layer], data.num_features, hidden, num_classes, heads,
+    conv = MODELS[family][layer]
+    model = GAT(conv, data.num_features, hidden, num_classes, heads,
                 dropout).to(device)
-    use_graph = cuda_graph and device.type == 'cuda' and layer == 'fast'
+    use_graph = (cuda_graph and device.type == 'cuda' and layer == 'fast'
+                 and family == 'gat')
     if cuda_graph and not use_graph:
         log(f'[{layer}] --cuda-graph needs CUDA and the fast layer (GATConv '
             f'syncs with the host while removing self-loops); running eagerly')
@@ -227,7 +238,8 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
                  if compile == 'reduce-overhead' else lambda: None)
     # FastGATConv caches the prepared graph by itself; preparing it up front
     # keeps host syncs out of the timed steps and the CUDA graph.
-    graph = prepare(data.edge_index, num_nodes=data.num_nodes) \
+    graph = prepare(data.edge_index, num_nodes=data.num_nodes,
+                    add_self_loops=family != 'transformer') \
         if layer == 'fast' else data.edge_index
 
     train_idx = data.train_mask.nonzero().view(-1)  # no sync inside steps
@@ -376,6 +388,9 @@ def main(argv=None):
                                    'pubmed': 'PubMed'}.get(s.lower(), s),
                    choices=['Cora', 'CiteSeer', 'PubMed'])
     p.add_argument('--layer', default='fast', choices=['fast', 'pyg', 'both'])
+    p.add_argument('--model', default='gat', choices=sorted(MODELS),
+                   help='layer family: GATConv, GATv2Conv or TransformerConv '
+                        '(and its drop-in)')
     p.add_argument('--epochs', type=int, default=200)
     p.add_argument('--runs', type=int, default=1)
     p.add_argument('--device', default='auto', help="'auto', 'cpu', 'cuda'")
@@ -426,7 +441,8 @@ def main(argv=None):
     amp = args.amp if args.amp == 'none' else \
         f'{args.amp} (autocast {AMP_DTYPES[args.amp]}' + \
         (', GradScaler)' if args.amp == 'fp16' else ')')
-    print(f'settings: layer {args.layer}, amp {amp}, compile {args.compile}, '
+    print(f'settings: model {args.model}, layer {args.layer}, amp {amp}, '
+          f'compile {args.compile}, '
           f'cuda-graph {"on" if args.cuda_graph else "off"}, epochs '
           f'{args.epochs}, runs {args.runs}')
 
@@ -438,7 +454,7 @@ def main(argv=None):
                       seed=args.seed + i, log_every=args.log_every,
                       cuda_graph=args.cuda_graph,
                       measure_memory=not args.no_memory, amp=args.amp,
-                      compile=args.compile)
+                      compile=args.compile, family=args.model)
             results[layer].append(r)
             print(f'[{layer}] run {i + 1}: test accuracy {r["test_acc"]:.4f}'
                   f' (best val {r["best_val_acc"]:.4f} at epoch '
