@@ -20,11 +20,12 @@ class _TransformerScore(AdditiveScore):
     """The dot-product score (``a_edge`` [E, H], CSR order) and, with edge
     features, what they add to the output: ``sum_j alpha_ij * ev[e]``
     ([E, H, K] in CSR order), mapped by ``proj`` ([H, C, K] or None for
-    K = C) onto the C channels of each head; ``row`` [E] the destination of
-    each CSR position."""
+    K = C) onto the C channels of each head; ``edge_graph`` the graph whose
+    row i holds CSR position e of the rows of i (col = arange(E), and its
+    transpose), built once per forward for both passes over the edges."""
     edge_values: Optional[Tensor] = None
     proj: Optional[Tensor] = None
-    row: Optional[Tensor] = None
+    edge_graph: Optional[Tuple[Tensor, CSC]] = None
 
 
 class FastTransformerConv(FusedAttentionConv, TransformerConv):
@@ -142,11 +143,13 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
             else:
                 qk = q
                 ev = self.lin_edge(edge_attr).view(E, H, C)
-            s = s + ops.sddmm_csr(graph.rowptr, _arange(graph), qk, ev,
-                                  csc=_edges_csc(graph, row), row=row,
-                                  validate=False)
-        return _TransformerScore(a_edge=s, negative_slope=1.0,
-                                 edge_values=ev, proj=proj, row=row)
+            edge_graph = (_arange(graph), _edges_csc(graph, row))
+            s = s + ops.sddmm_csr(graph.rowptr, edge_graph[0], qk, ev,
+                                  csc=edge_graph[1], row=row, validate=False)
+            return _TransformerScore(a_edge=s, negative_slope=1.0,
+                                     edge_values=ev, proj=proj,
+                                     edge_graph=edge_graph)
+        return _TransformerScore(a_edge=s, negative_slope=1.0)
 
     def attend(self, graph: PreparedGraph, values: Tensor, score,
                mask: Optional[Tensor], return_lse: bool):
@@ -154,10 +157,10 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         out, lse = super().attend(graph, values, score, mask, return_lse)
         ev = score.edge_values
         if ev is not None:
-            agg = ops.attention(graph.rowptr, _arange(graph), ev,
+            col_e, csc_e = score.edge_graph
+            agg = ops.attention(graph.rowptr, col_e, ev,
                                 a_edge=score.a_edge, mask=mask,
-                                negative_slope=1.0,
-                                csc=_edges_csc(graph, score.row))
+                                negative_slope=1.0, csc=csc_e)
             if score.proj is not None:  # [N, H, D] -> [N, H, C]
                 agg = torch.einsum('nhd,hcd->nhc', agg, score.proj)
             out = out + agg
