@@ -1,7 +1,7 @@
 # PyG's test/nn/conv/test_gat_conv.py (pyg-team/pytorch_geometric), run
-# against FastGATConv. Changed: the import of GATConv, the str(conv) checks
-# (they name the class), and left out the parts for GATConv(normalize=True)
-# and gat_norm, which PyG added after 2.8 (2.8.1's GATConv has neither).
+# against FastGATConv. Changed: the import of GATConv, and left out the parts
+# for GATConv(normalize=True) and gat_norm, which PyG added after 2.8
+# (2.8.1's GATConv has neither).
 from typing import Optional, Tuple
 
 import torch
@@ -23,7 +23,7 @@ def test_gat_conv(residual):
     adj1 = to_torch_csc_tensor(edge_index, size=(4, 4))
 
     conv = GATConv(8, 32, heads=2, residual=residual)
-    assert str(conv) == 'FastGATConv(8, 32, heads=2)'
+    assert str(conv) == 'GATConv(8, 32, heads=2)'
     out = conv(x1, edge_index)
     assert out.size() == (4, 64)
     assert torch.allclose(conv(x1, edge_index, size=(4, 4)), out)
@@ -99,7 +99,7 @@ def test_gat_conv(residual):
     adj1 = to_torch_csc_tensor(edge_index, size=(4, 2))
 
     conv = GATConv((8, 16), 32, heads=2, residual=residual)
-    assert str(conv) == 'FastGATConv((8, 16), 32, heads=2)'
+    assert str(conv) == 'GATConv((8, 16), 32, heads=2)'
 
     out1 = conv((x1, x2), edge_index)
     assert out1.size() == (2, 64)

@@ -262,6 +262,15 @@ class FusedAttentionConv(MessagePassing):
                 return cls.__name__
         return type(self).__name__
 
+    def __repr__(self) -> str:
+        # A drop-in prints as the PyG layer it stands in for (printouts and
+        # PyG's own tests read the same); a layer of its own prints its name.
+        name = self._pyg_name()
+        if name == type(self).__name__ or not hasattr(self, 'heads'):
+            return super().__repr__()
+        return (f'{name}({self.in_channels}, {self.out_channels}, '
+                f'heads={self.heads})')
+
     # Edge features ##########################################################
 
     @staticmethod

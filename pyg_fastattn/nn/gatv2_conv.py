@@ -60,6 +60,10 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
     Falls back to GATv2Conv's own code for ``aggr`` other than ``'add'``,
     ``flow='target_to_source'`` and explain mode.
     """
+    # PyG's newer GATv2Conv keeps the last attention weights here (and its
+    # tests check that they are not kept); the fused layer never keeps them.
+    _alpha: Optional[Tensor] = None
+
     def forward(  # noqa: F811
         self,
         x: Union[Tensor, Tuple[Tensor, Optional[Tensor]]],
@@ -116,11 +120,6 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
         if return_attention_weights:
             return out, weights
         return out
-
-    def __repr__(self) -> str:
-        # PyG's name, as a drop-in: printouts (and PyG's tests) read the same.
-        return (f'GATv2Conv({self.in_channels}, {self.out_channels}, '
-                f'heads={self.heads})')
 
     # Hooks ##################################################################
 

@@ -15,7 +15,6 @@ cast to the autocast dtype (float16/bfloat16); kernels read that dtype and
 accumulate in float32.
 """
 import contextlib
-import functools
 import warnings
 from typing import Callable, Dict, List, Optional
 
@@ -33,10 +32,17 @@ def define(schema: str) -> None:
     _names.append(schema.split('(', 1)[0].strip())
 
 
-@functools.lru_cache(maxsize=None)
+_overloads: Dict[str, torch._ops.OpOverload] = {}
+
+
 def op(name: str):
-    """``torch.ops.pyg_fastattn.<name>.default`` (looked up once)."""
-    return getattr(getattr(torch.ops, NAMESPACE), name).default
+    """``torch.ops.pyg_fastattn.<name>.default`` (looked up once; a plain
+    dict, which torch.compile traces without a warning)."""
+    o = _overloads.get(name)
+    if o is None:
+        o = _overloads[name] = getattr(getattr(torch.ops, NAMESPACE),
+                                       name).default
+    return o
 
 
 def _cast_args(args, dtype, device_type: str):
