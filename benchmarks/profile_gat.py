@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _env import pick_device, setup_threads  # noqa: E402
-from _graphs import generator, randn  # noqa: E402
+from _graphs import generator, randn, skewed_csr  # noqa: E402
 from _memory import free_memory, guarded  # noqa: E402
 from _timing import sync, time_fn  # noqa: E402
 import bench_gat as B  # noqa: E402
@@ -48,9 +48,12 @@ def epoch_fn(conv, name, dev):
     return B.train_step(m, opt, x, ei, y, idx)
 
 
-def layer_fn(conv, N, E, fin, H, C, dev):
-    gen = generator(dev, 11)
-    ei = torch.randint(N, (2, E), device=dev, generator=gen)
+def layer_fn(conv, N, E, fin, H, C, dev, graph=None):
+    if graph is None:  # uniform random edges
+        ei = torch.randint(N, (2, E), device=dev, generator=generator(dev, 11))
+    else:  # ('power', s): as bench_gat.py's power-law workloads
+        _, col, row = skewed_csr(graph[0], N, E, dev, s=graph[1], seed=11)
+        ei = torch.stack([col, row])
     x = randn((N, fin), dev, 12)
     gout = randn((N, H * C), dev, 13)
     torch.manual_seed(0)
@@ -95,6 +98,10 @@ def main():
     work += [(f'layer {N}/{E} {fin}->{H}x{C} fwd+bwd',
               lambda c, s=(N, E, fin, H, C): layer_fn(c, *s, dev))
              for N, E, fin, H, C in layers]
+    if dev.type == 'cuda':
+        work.append(('layer 1000000/20000000 power s=1.0 128->4x32 fwd+bwd',
+                     lambda c: layer_fn(c, 1_000_000, 20_000_000, 128, 4, 32,
+                                        dev, ('power', 1.0))))
     for label, make in work:
         if args.only and not any(s in label for s in args.only.split(',')):
             continue
