@@ -182,3 +182,23 @@ void check_gatv2_attention_backward(
     const at::Tensor& lse, const at::Tensor& grad_out);
 
 }  // namespace pyg_fastattn
+
+// ---------------------------------------------------------------------------
+// csr_build / csc_build (csrc/ops/graph.cpp, csrc/cpu/graph_cpu.cpp,
+// csrc/cuda/graph.cu).
+namespace pyg_fastattn {
+
+// The native builds write int32 indices: edges (with added loops) and node
+// counts must stay below this (larger graphs take the Python path).
+constexpr int64_t kGraphIndexLimit = 2147483647;  // 2^31 - 1
+// CUDA: threads per block and most blocks per launch of the per-element
+// kernels (grid-stride loops beyond that).
+constexpr int kGraphBlock = 256;
+constexpr int64_t kGraphMaxBlocks = 8192;
+
+void check_csr_build(const at::Tensor& src, const at::Tensor& dst,
+                     int64_t num_src, int64_t num_dst, bool add_self_loops);
+void check_csc_build(const at::Tensor& rowptr, const at::Tensor& col,
+                     int64_t num_cols);
+
+}  // namespace pyg_fastattn

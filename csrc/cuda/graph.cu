@@ -1,0 +1,408 @@
+// csr_build / csc_build (CUDA): graph preparation in a few fused kernels and
+// one radix sort over the needed key bits; no host synchronization.
+//
+// Unsorted CSR:  keys kernel -> cub radix sort (key, augmented position) ->
+//                pointer search -> gather kernel.
+// Sorted CSR:    keep flags -> cub exclusive scan -> pointer kernel ->
+//                scatter kernel (no sort).
+// CSC:           keys kernel -> cub radix sort -> pointer search -> finish
+//                kernel.
+// Keys are uint32 and positions int32 (check_*_build bounds the sizes); cub's
+// radix sort is stable, so equal keys keep position order as torch's stable
+// sort does.
+#include <cub/cub.cuh>
+
+#include <tuple>
+
+#include "utils.cuh"
+
+namespace pyg_fastattn {
+namespace cuda {
+namespace {
+
+using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Outputs5 =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// Blocks of a grid-stride launch over n elements (n > 0).
+inline unsigned graph_blocks(int64_t n) {
+  return static_cast<unsigned>(
+      std::min<int64_t>(ceil_div(n, kGraphBlock), kGraphMaxBlocks));
+}
+
+#define PFA_GRID_STRIDE(i, n)                                            \
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x +       \
+                   threadIdx.x;                                          \
+       i < (n); i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+
+// Bits that hold every key in [0, max_key] (at least 1).
+inline int key_bits(int64_t max_key) {
+  int b = 1;
+  while (b < 32 && (int64_t(1) << b) <= max_key) ++b;
+  return b;
+}
+
+__device__ __forceinline__ int64_t clamp_to(int64_t v, int64_t lo,
+                                            int64_t hi) {
+  return v < lo ? lo : (v > hi ? hi : v);
+}
+
+// First i in [0, n) with a[i * stride] >= v, n if none.
+template <typename T>
+__device__ __forceinline__ int64_t lower_bound(const T* __restrict__ a,
+                                               int64_t stride, int64_t n,
+                                               int64_t v) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (static_cast<int64_t>(a[mid * stride]) < v) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// First i in [0, n) with a[i] > v, n if none.
+template <typename T>
+__device__ __forceinline__ int64_t upper_bound(const T* __restrict__ a,
+                                               int64_t n, int64_t v) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) >> 1;
+    if (static_cast<int64_t>(a[mid]) <= v) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo;
+}
+
+// One thread per pointer entry d in [0, num_rows] (grid-stride): out[d] =
+// number of keys < d, by binary search in the sorted keys, so long runs of
+// empty rows cost no more than full ones.
+template <typename K, typename out_t>
+__global__ void ptr_kernel(const K* __restrict__ keys, int64_t stride,
+                           int64_t n, int64_t num_rows,
+                           out_t* __restrict__ out) {
+  PFA_GRID_STRIDE(d, num_rows + 1) {
+    out[d] = static_cast<out_t>(lower_bound(keys, stride, n, d));
+  }
+}
+
+// Unsorted CSR. One thread per augmented edge i in [0, E + L)
+// (grid-stride): its sort key (destination; num_dst for a removed
+// self-loop; d for the added loop (d, d)), its position, and removed /
+// fill_index.
+template <typename index_t>
+__global__ void csr_keys_kernel(const index_t* __restrict__ src, int64_t ss,
+                                const index_t* __restrict__ dst, int64_t ds,
+                                int64_t E, int64_t L, int64_t num_dst,
+                                uint32_t* __restrict__ key,
+                                int32_t* __restrict__ val,
+                                bool* __restrict__ removed,
+                                int64_t* __restrict__ fill) {
+  PFA_GRID_STRIDE(i, E + L) {
+    if (i < E) {
+      const int64_t s = src[i * ss], d = dst[i * ds];
+      const bool loop = L > 0 && s == d;
+      key[i] = static_cast<uint32_t>(loop ? num_dst : clamp_to(d, 0, num_dst));
+      removed[i] = loop;
+      if (L > 0) fill[i] = (loop || d >= L) ? L : d;
+    } else {
+      key[i] = static_cast<uint32_t>(i - E);
+      removed[i] = false;
+    }
+    val[i] = static_cast<int32_t>(i);
+  }
+}
+
+// Unsorted CSR. One thread per CSR position p (grid-stride): the augmented
+// edge v sorted there gives perm[p] = v and col[p] = its source.
+template <typename index_t>
+__global__ void csr_gather_kernel(const int32_t* __restrict__ val,
+                                  const index_t* __restrict__ src, int64_t ss,
+                                  int64_t E, int64_t n,
+                                  int64_t* __restrict__ perm,
+                                  int32_t* __restrict__ col) {
+  PFA_GRID_STRIDE(p, n) {
+    const int64_t v = val[p];
+    perm[p] = v;
+    col[p] = static_cast<int32_t>(v < E ? static_cast<int64_t>(src[v * ss])
+                                        : v - E);
+  }
+}
+
+// Sorted CSR without loops. One thread per edge e (grid-stride): CSR
+// position = input position.
+template <typename index_t>
+__global__ void csr_copy_kernel(const index_t* __restrict__ src, int64_t ss,
+                                int64_t E, int64_t* __restrict__ perm,
+                                int32_t* __restrict__ col,
+                                bool* __restrict__ removed) {
+  PFA_GRID_STRIDE(e, E) {
+    perm[e] = e;
+    col[e] = static_cast<int32_t>(src[e * ss]);
+    removed[e] = false;
+  }
+}
+
+// Sorted CSR with loops. One thread per i in [0, E + L] (grid-stride):
+// keep[i] = 1 for an input edge that is not a self-loop (0 at i = E, so the
+// exclusive scan of [0, E] ends with the kept total), removed, fill_index.
+template <typename index_t>
+__global__ void csr_flags_kernel(const index_t* __restrict__ src, int64_t ss,
+                                 const index_t* __restrict__ dst, int64_t ds,
+                                 int64_t E, int64_t L,
+                                 int32_t* __restrict__ keep,
+                                 bool* __restrict__ removed,
+                                 int64_t* __restrict__ fill) {
+  PFA_GRID_STRIDE(i, E + L + 1) {
+    if (i < E) {
+      const int64_t s = src[i * ss], d = dst[i * ds];
+      const bool loop = s == d;
+      keep[i] = loop ? 0 : 1;
+      removed[i] = loop;
+      fill[i] = (loop || d >= L) ? L : d;
+    } else {
+      if (i == E) keep[i] = 0;
+      if (i < E + L) removed[i] = false;
+    }
+  }
+}
+
+// Sorted CSR with loops. One thread per row pointer d in [0, num_dst]
+// (grid-stride): kept edges before row d (ck at the row's first input edge,
+// found by binary search in dst) plus the loops of rows < d.
+template <typename index_t>
+__global__ void csr_sorted_rowptr_kernel(const index_t* __restrict__ dst,
+                                         int64_t ds, int64_t E,
+                                         int64_t num_dst, int64_t L,
+                                         const int32_t* __restrict__ ck,
+                                         int32_t* __restrict__ rowptr) {
+  PFA_GRID_STRIDE(d, num_dst + 1) {
+    const int64_t first = lower_bound(dst, ds, E, d);
+    rowptr[d] = static_cast<int32_t>(ck[first] + (d < L ? d : L));
+  }
+}
+
+// Sorted CSR with loops. One thread per augmented edge i (grid-stride): its
+// CSR position p (row d: kept edges in input order, then loop (d, d);
+// removed self-loops after every row, in input order); perm[p] = i, col[p] =
+// its source. p is clamped, so wrongly declared order stays in range.
+template <typename index_t>
+__global__ void csr_scatter_kernel(const index_t* __restrict__ src, int64_t ss,
+                                   const index_t* __restrict__ dst, int64_t ds,
+                                   int64_t E, int64_t L,
+                                   const int32_t* __restrict__ ck,
+                                   const int32_t* __restrict__ rowptr,
+                                   int64_t* __restrict__ perm,
+                                   int32_t* __restrict__ col) {
+  const int64_t n = E + L;
+  const int64_t kept = ck[E];
+  PFA_GRID_STRIDE(i, n) {
+    int64_t p, c;
+    if (i < E) {
+      const int64_t s = src[i * ss], d = dst[i * ds];
+      const int64_t before = ck[i];  // kept edges before i
+      p = s != d ? before + clamp_to(d, 0, L) : i - before + kept + L;
+      c = s;
+    } else {
+      c = i - E;
+      p = static_cast<int64_t>(rowptr[c + 1]) - 1;
+    }
+    p = clamp_to(p, 0, n - 1);
+    perm[p] = i;
+    col[p] = static_cast<int32_t>(c);
+  }
+}
+
+// CSC. One thread per CSR position e (grid-stride): key = its column
+// (num_cols from rowptr[N] on), val = e, and its row by binary search in
+// rowptr (neighbouring threads take the same path).
+template <typename index_t>
+__global__ void csc_keys_kernel(const index_t* __restrict__ rowptr, int64_t N,
+                                const index_t* __restrict__ col, int64_t E,
+                                int64_t num_cols, uint32_t* __restrict__ key,
+                                int32_t* __restrict__ val,
+                                int32_t* __restrict__ row_of) {
+  const int64_t tail = tail_begin(rowptr, N, E);
+  PFA_GRID_STRIDE(e, E) {
+    key[e] = static_cast<uint32_t>(
+        e < tail ? clamp_to(static_cast<int64_t>(col[e]), 0, num_cols)
+                 : num_cols);
+    val[e] = static_cast<int32_t>(e);
+    row_of[e] = static_cast<int32_t>(upper_bound(rowptr + 1, N, e));
+  }
+}
+
+// CSC. One thread per CSC position k (grid-stride): the CSR position e
+// sorted there gives perm[k] = e, inv[e] = k, row[k] = e's row.
+template <typename index_t>
+__global__ void csc_finish_kernel(const int32_t* __restrict__ val,
+                                  const int32_t* __restrict__ row_of,
+                                  int64_t E, index_t* __restrict__ perm,
+                                  index_t* __restrict__ inv,
+                                  index_t* __restrict__ row) {
+  PFA_GRID_STRIDE(k, E) {
+    const int32_t e = val[k];
+    perm[k] = static_cast<index_t>(e);
+    inv[e] = static_cast<index_t>(k);
+    row[k] = static_cast<index_t>(row_of[e]);
+  }
+}
+
+// Stable sort of n (key, value) pairs by key bits [0, end_bit); temp storage
+// from the caching allocator on the current stream.
+void sort_pairs(const uint32_t* k_in, uint32_t* k_out, const int32_t* v_in,
+                int32_t* v_out, int64_t n, int end_bit,
+                const at::TensorOptions& opt, cudaStream_t stream) {
+  if (n == 0) return;
+  size_t bytes = 0;
+  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      nullptr, bytes, k_in, k_out, v_in, v_out, static_cast<int>(n), 0,
+      end_bit, stream));
+  at::Tensor tmp = at::empty({static_cast<int64_t>(bytes)}, opt.dtype(at::kByte));
+  C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
+      tmp.data_ptr(), bytes, k_in, k_out, v_in, v_out, static_cast<int>(n), 0,
+      end_bit, stream));
+}
+
+// out[i] = in[0] + ... + in[i - 1] over n items.
+void exclusive_sum(const int32_t* in, int32_t* out, int64_t n,
+                   const at::TensorOptions& opt, cudaStream_t stream) {
+  size_t bytes = 0;
+  C10_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, bytes, in, out,
+                                               static_cast<int>(n), stream));
+  at::Tensor tmp = at::empty({static_cast<int64_t>(bytes)}, opt.dtype(at::kByte));
+  C10_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(tmp.data_ptr(), bytes, in, out,
+                                               static_cast<int>(n), stream));
+}
+
+Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
+                        int64_t num_src, int64_t num_dst, bool add_self_loops,
+                        bool is_sorted) {
+  check_csr_build(src, dst, num_src, num_dst, add_self_loops);
+  const c10::cuda::CUDAGuard guard(src.device());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int64_t E = src.numel();
+  const int64_t L = add_self_loops ? std::min(num_src, num_dst) : 0;
+  const int64_t n = E + L;
+  const auto opt = src.options();
+  const auto i32 = opt.dtype(at::kInt);
+  at::Tensor rowptr = at::empty({num_dst + 1}, i32);
+  // The sorted scatter may miss positions of wrongly ordered input: zeros.
+  const bool scatter = is_sorted && L > 0;
+  at::Tensor col = scatter ? at::zeros({n}, i32) : at::empty({n}, i32);
+  at::Tensor perm = scatter ? at::zeros({n}, opt.dtype(at::kLong))
+                            : at::empty({n}, opt.dtype(at::kLong));
+  at::Tensor removed = at::empty({n}, opt.dtype(at::kBool));
+  at::Tensor fill = at::empty({L > 0 ? E : 0}, opt.dtype(at::kLong));
+  PFA_DISPATCH_INDEX(src.scalar_type(), "csr_build_cuda", [&] {
+    const index_t* s = src.const_data_ptr<index_t>();
+    const index_t* d = dst.const_data_ptr<index_t>();
+    const int64_t ss = src.stride(0), ds = dst.stride(0);
+    int32_t* rp = rowptr.data_ptr<int32_t>();
+    int32_t* cl = col.data_ptr<int32_t>();
+    int64_t* pm = perm.data_ptr<int64_t>();
+    bool* rm = removed.data_ptr<bool>();
+    int64_t* fi = L > 0 ? fill.data_ptr<int64_t>() : nullptr;
+    if (!is_sorted) {
+      at::Tensor keys = at::empty({2 * n}, i32), vals = at::empty({2 * n}, i32);
+      uint32_t* k_in = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
+      int32_t* v_in = vals.data_ptr<int32_t>();
+      if (n > 0) {
+        csr_keys_kernel<index_t><<<graph_blocks(n), kGraphBlock, 0, stream>>>(
+            s, ss, d, ds, E, L, num_dst, k_in, v_in, rm, fi);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+      sort_pairs(k_in, k_in + n, v_in, v_in + n, n, key_bits(num_dst), opt,
+                 stream);
+      ptr_kernel<uint32_t, int32_t>
+          <<<graph_blocks(num_dst + 1), kGraphBlock, 0, stream>>>(
+              k_in + n, 1, n, num_dst, rp);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (n > 0) {
+        csr_gather_kernel<index_t>
+            <<<graph_blocks(n), kGraphBlock, 0, stream>>>(v_in + n, s, ss, E,
+                                                         n, pm, cl);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    } else if (L == 0) {
+      ptr_kernel<index_t, int32_t>
+          <<<graph_blocks(num_dst + 1), kGraphBlock, 0, stream>>>(
+              d, ds, E, num_dst, rp);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (E > 0) {
+        csr_copy_kernel<index_t><<<graph_blocks(E), kGraphBlock, 0, stream>>>(
+            s, ss, E, pm, cl, rm);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    } else {
+      at::Tensor flags = at::empty({2 * (E + 1)}, i32);
+      int32_t* keep = flags.data_ptr<int32_t>();
+      int32_t* ck = keep + (E + 1);
+      csr_flags_kernel<index_t>
+          <<<graph_blocks(n + 1), kGraphBlock, 0, stream>>>(s, ss, d, ds, E, L,
+                                                           keep, rm, fi);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      exclusive_sum(keep, ck, E + 1, opt, stream);
+      csr_sorted_rowptr_kernel<index_t>
+          <<<graph_blocks(num_dst + 1), kGraphBlock, 0, stream>>>(
+              d, ds, E, num_dst, L, ck, rp);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      csr_scatter_kernel<index_t><<<graph_blocks(n), kGraphBlock, 0, stream>>>(
+          s, ss, d, ds, E, L, ck, rp, pm, cl);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return {rowptr, col, perm, removed, fill};
+}
+
+Outputs4 csc_build_cuda(const at::Tensor& rowptr_, const at::Tensor& col_,
+                        int64_t num_cols) {
+  check_csc_build(rowptr_, col_, num_cols);
+  const c10::cuda::CUDAGuard guard(rowptr_.device());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const at::Tensor rowptr = rowptr_.contiguous(), col = col_.contiguous();
+  const int64_t N = rowptr.numel() - 1, E = col.numel();
+  const auto opt = rowptr.options();
+  const auto i32 = opt.dtype(at::kInt);
+  at::Tensor colptr = at::empty({num_cols + 1}, opt);
+  at::Tensor row = at::empty({E}, opt);
+  at::Tensor perm = at::empty({E}, opt);
+  at::Tensor inv = at::empty({E}, opt);
+  at::Tensor keys = at::empty({2 * E}, i32), vals = at::empty({2 * E}, i32);
+  at::Tensor row_of = at::empty({E}, i32);
+  uint32_t* k_in = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
+  int32_t* v_in = vals.data_ptr<int32_t>();
+  PFA_DISPATCH_INDEX(rowptr.scalar_type(), "csc_build_cuda", [&] {
+    const index_t* rp = rowptr.const_data_ptr<index_t>();
+    if (E > 0) {
+      csc_keys_kernel<index_t><<<graph_blocks(E), kGraphBlock, 0, stream>>>(
+          rp, N, col.const_data_ptr<index_t>(), E, num_cols, k_in, v_in,
+          row_of.data_ptr<int32_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    sort_pairs(k_in, k_in + E, v_in, v_in + E, E, key_bits(num_cols), opt,
+               stream);
+    ptr_kernel<uint32_t, index_t>
+        <<<graph_blocks(num_cols + 1), kGraphBlock, 0, stream>>>(
+            k_in + E, 1, E, num_cols, colptr.data_ptr<index_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    if (E > 0) {
+      csc_finish_kernel<index_t><<<graph_blocks(E), kGraphBlock, 0, stream>>>(
+          v_in + E, row_of.data_ptr<int32_t>(), E, perm.data_ptr<index_t>(),
+          inv.data_ptr<index_t>(), row.data_ptr<index_t>());
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+  });
+  return {colptr, row, perm, inv};
+}
+
+#undef PFA_GRID_STRIDE
+
+}  // namespace
+}  // namespace cuda
+}  // namespace pyg_fastattn
+
+TORCH_LIBRARY_IMPL(pyg_fastattn, CUDA, m) {
+  m.impl("csr_build", &pyg_fastattn::cuda::csr_build_cuda);
+  m.impl("csc_build", &pyg_fastattn::cuda::csc_build_cuda);
+}
