@@ -81,6 +81,8 @@ def test_cpu_detection_skips_the_sort(monkeypatch):
         raise AssertionError('sorted input was sorted again')
 
     monkeypatch.setattr(graph_mod, '_csr_sort', no_sort)
+    # The PyTorch path (the native build decides on its own).
+    monkeypatch.setattr(graph_mod, '_use_native', lambda *a: False)
     prepare(ei, num_nodes=20)
     prepare(EdgeIndex(ei, sparse_size=(20, 20), sort_order='col'))
     with pytest.raises(AssertionError, match='sorted again'):

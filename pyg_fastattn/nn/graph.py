@@ -29,7 +29,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
+from .. import _build as _ext
 from ..ops import CSC, csr_to_csc
+from ..ops._checks import index_pair
 
 __all__ = ['PreparedGraph', 'prepare', 'clear_cache', 'cache_info',
            'set_validation', 'get_validation']
@@ -402,6 +404,34 @@ def _csr_sort(src: Tensor, dst: Tensor, num_src: int, num_dst: int, L: int,
     return rowptr, col, perm, removed, fill_index
 
 
+def _build_csr_torch(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
+                     add_self_loops: bool, is_sorted: bool,
+                     dst_ptr: Optional[Tensor]):
+    """:func:`_build_csr` in PyTorch ops (fallback and test oracle)."""
+    src, dst = src.long(), dst.long()
+    L = min(num_src, num_dst) if add_self_loops else 0
+    idx = _index_dtype(src.numel() + L, num_src, num_dst)
+    if is_sorted:
+        return _csr_sorted(src, dst, num_src, num_dst, L, idx, dst_ptr)
+    return _csr_sort(src, dst, num_src, num_dst, L, idx)
+
+
+def _use_native(device: torch.device, *sizes: int) -> bool:
+    """Whether the compiled ``csr_build`` / ``csc_build`` serve ``device``
+    for these sizes (edges, node counts): they write int32 indices, so
+    graphs with 2^31 - 1 or more edges or nodes take the PyTorch path."""
+    return max(sizes, default=0) < 2**31 - 1 and _ext.native_available(device)
+
+
+def _csr_build_native(src, dst, num_src, num_dst, add_self_loops, is_sorted):
+    return torch.ops.pyg_fastattn.csr_build(src, dst, num_src, num_dst,
+                                            add_self_loops, is_sorted)
+
+
+def _csc_build_native(rowptr, col, num_cols):
+    return torch.ops.pyg_fastattn.csc_build(rowptr, col, num_cols)
+
+
 # One opaque op for torch.compile: traced inline, inductor's lowering of the
 # sorts and searches gave a wrong graph on CUDA.
 @torch.library.custom_op('pyg_fastattn::build_csr', mutates_args=())
@@ -411,13 +441,17 @@ def _build_csr(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
                ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(rowptr, col, csr_perm, removed, fill_index (empty without loops)) of
     the augmented edge list. ``is_sorted``: ``dst`` is non-decreasing (no
-    sort); ``dst_ptr``: its [num_dst + 1] pointer when known."""
-    src, dst = src.long(), dst.long()
+    sort); ``dst_ptr``: its [num_dst + 1] pointer when known (the native
+    build finds the row starts itself)."""
     L = min(num_src, num_dst) if add_self_loops else 0
-    idx = _index_dtype(src.numel() + L, num_src, num_dst)
-    if is_sorted:
-        return _csr_sorted(src, dst, num_src, num_dst, L, idx, dst_ptr)
-    return _csr_sort(src, dst, num_src, num_dst, L, idx)
+    if _use_native(src.device, src.numel() + L, num_src, num_dst):
+        if src.dtype not in (torch.int32, torch.int64) or \
+                dst.dtype != src.dtype:
+            src, dst = src.long(), dst.long()
+        return tuple(_csr_build_native(src, dst, num_src, num_dst,
+                                       add_self_loops, is_sorted))
+    return _build_csr_torch(src, dst, num_src, num_dst, add_self_loops,
+                            is_sorted, dst_ptr)
 
 
 @_build_csr.register_fake
@@ -434,6 +468,8 @@ def _(src, dst, num_src, num_dst, add_self_loops, is_sorted, dst_ptr):
 def _build_csc(rowptr: Tensor, col: Tensor, num_src: int
                ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(colptr, csc_row, csc_perm, csc_inv): :func:`csr_to_csc`."""
+    if _use_native(col.device, col.numel(), num_src):
+        return tuple(_csc_build_native(*index_pair(rowptr, col), num_src))
     return tuple(csr_to_csc(rowptr, col, num_src, validate=False))
 
 
