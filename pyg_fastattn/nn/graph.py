@@ -15,10 +15,12 @@ Per-edge inputs (edge features, dropout) are built in augmented order and
 gathered into CSR order with ``csr_perm``. Input already grouped by
 destination (``sorted=True``, a ``torch_geometric.EdgeIndex`` sorted by
 ``col``, or detected on CPU) skips the sort. The transpose that backward
-passes walk is built on first access. Indices are validated here, never in the
-layer's kernels (see :func:`set_validation`); nothing here waits for the
-GPU unless node counts must be read from the indices or ``'sync'``
-validation is asked for.
+passes walk is built on first access. Both are built by the compiled
+``csr_build`` / ``csc_build`` (csrc/) where the extension serves the device,
+else by the PyTorch ops below (same result; also the tests' oracle).
+Indices are validated here, never in the layer's kernels (see
+:func:`set_validation`); nothing here waits for the GPU unless node counts
+must be read from the indices or ``'sync'`` validation is asked for.
 """
 import threading
 import weakref
