@@ -25,7 +25,7 @@ import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch_geometric.nn import GATConv  # noqa: E402
 
-from pyg_fastattn import FastGATConv  # noqa: E402
+from pyg_fastattn import FastGATConv, prepare  # noqa: E402
 
 
 class OpCount(TorchDispatchMode):
@@ -60,6 +60,16 @@ def layer_fn(conv, N, E, fin, H, C, dev, graph=None):
     m = conv(fin, C, heads=H).to(dev).train()
     params = list(m.parameters())
     return lambda: torch.autograd.grad(m(x, ei), params, gout)
+
+
+def prepare_fn(dev, N, E, is_sorted):
+    """``prepare`` of a new copy of one random graph (as bench_prepare.py);
+    sorted: grouped by destination, ``sorted=True``, no transpose."""
+    ei = torch.randint(N, (2, E), device=dev, generator=generator(dev, 11))
+    if is_sorted:
+        ei = ei[:, torch.argsort(ei[1], stable=True)]
+    return lambda: prepare(ei.clone(), num_nodes=N, sorted=is_sorted,
+                           transpose=not is_sorted)
 
 
 def profile(label, fn, dev, rows):
@@ -102,10 +112,16 @@ def main():
         work.append(('layer 1000000/20000000 power s=1.0 128->4x32 fwd+bwd',
                      lambda c: layer_fn(c, 1_000_000, 20_000_000, 128, 4, 32,
                                         dev, ('power', 1.0))))
+    if dev.type == 'cuda':
+        work += [(f'prepare 1000000/20000000 {tag}',
+                  lambda c, s=s: prepare_fn(dev, 1_000_000, 20_000_000, s))
+                 for tag, s in (('unsorted+csc', False), ('sorted', True))]
     for label, make in work:
         if args.only and not any(s in label for s in args.only.split(',')):
             continue
         for prov in args.providers.split(','):
+            if label.startswith('prepare') and prov != 'fast':
+                continue
             st, _, msg = guarded(lambda: profile(f'{label} [{prov}]', make(convs[prov]), dev,
                                                  args.rows), dev)
             if st != 'ok':

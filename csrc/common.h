@@ -72,7 +72,7 @@ namespace pyg_fastattn {
 // partials of a row are combined in chunk order (deterministic, no atomics).
 // On CUDA the chunks are the global edge windows [w * chunk, (w + 1) * chunk)
 // clipped to the row. Shorter rows keep the row-per-warp / block kernels.
-constexpr int64_t kSplitEdges = 16384;
+constexpr int64_t kSplitEdges = 4096;
 constexpr int64_t kSplitChunk = 2048;
 
 struct SplitPlan {

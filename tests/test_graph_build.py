@@ -166,7 +166,8 @@ def test_small_dtypes_and_sparse_input(device):
         want = graph_mod._build_csr_torch(s, d, 30, 30, True, e is ei, None)
         assert_same(graph_mod._build_csr(s, d, 30, 30, True, e is ei, None),
                     want)
-    adj = torch.sparse_coo_tensor(shuffled.flip(0), torch.ones(200),
+    adj = torch.sparse_coo_tensor(shuffled.flip(0),
+                                  torch.ones(200, device=device),
                                   (30, 30)).coalesce()
     g = prepare(adj)
     src, dst = adj.indices()[1], adj.indices()[0]

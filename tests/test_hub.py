@@ -18,7 +18,7 @@ from graphs import csr_from_degrees
 from test_ops import _check, _leaf
 
 SPLIT_ENV = 'PYG_FASTATTN_SPLIT_EDGES'
-DEFAULT_SPLIT = 16384  # kSplitEdges in csrc/common.h
+DEFAULT_SPLIT = 4096  # kSplitEdges in csrc/common.h
 
 
 @pytest.fixture(params=['small', 'default'])
