@@ -175,6 +175,32 @@ def make_loader(x, y, edge_index, num_nodes, fanouts, train_idx, batch_size,
     return loader, f'torch_geometric.loader.NeighborLoader ({backend})'
 
 
+def hop_counts(batch, num_hops: int):
+    """``(num_sampled_nodes, num_sampled_edges)`` of a sampled batch, as
+    lists. pyg-lib's sampler reports them; torch-sparse's does not, so they
+    are recovered here: a node's hop is its BFS distance from the seeds over
+    the batch's edges, and hop ``k``'s edges are those into hop ``k - 1``.
+    Both samplers list nodes and edges hop by hop, which is checked."""
+    if getattr(batch, 'num_sampled_nodes', None) is not None:
+        return list(batch.num_sampled_nodes), list(batch.num_sampled_edges)
+    src, dst = batch.edge_index
+    n = batch.num_nodes
+    hop = torch.full((n, ), num_hops + 1, dtype=torch.long)
+    hop[:batch.batch_size] = 0
+    for k in range(num_hops):
+        into = hop[dst] == k
+        hop.scatter_reduce_(0, src[into], torch.full_like(src[into], k + 1),
+                            'amin')
+    dst_hop = hop[dst]
+    if (hop[1:] < hop[:-1]).any() or (dst_hop[1:] < dst_hop[:-1]).any() \
+            or (n > 0 and int(hop.max()) > num_hops):
+        raise RuntimeError('the sampler did not list nodes and edges hop by '
+                           'hop; cannot build per-layer graphs')
+    nodes = torch.bincount(hop, minlength=num_hops + 1).tolist()
+    edges = torch.bincount(dst_hop, minlength=num_hops).tolist()
+    return nodes[:num_hops + 1], edges[:num_hops]
+
+
 class GAT(torch.nn.Module):
     """``layers`` GAT layers (ELU between them, heads averaged in the last)
     on a sampled batch, in one of two layouts:
@@ -322,7 +348,7 @@ def run(argv=None):
             ei = batch.edge_index.to(dev)
             sync(dev)
             t_load += time.perf_counter() - t
-            nn_, ne = list(batch.num_sampled_nodes), list(batch.num_sampled_edges)
+            nn_, ne = hop_counts(batch, args.layers)
             for n in names:
                 m, opt = models[n], opts[n]
                 m.train()

@@ -17,7 +17,10 @@
 #          concurrent processes; cudatests: -m cuda -x only)
 #   ops    benchmarks/bench_ops.py --device $DEV
 #   gat    benchmarks/bench_gat.py --device $DEV --cuda-graph
-#   profile  benchmarks/profile_gat.py --device $DEV (not in the default set)
+#   profile  benchmarks/profile_gat.py --device $DEV (not in the default set;
+#          PROFILE_ONLY / PROFILE_PROVIDERS: its --only / --providers)
+#   prepare  benchmarks/bench_prepare.py --device $DEV --sizes 1M:20M (graph
+#          preparation and the fresh-graph step; not in the default set)
 #   ddp    examples/train_ddp.py under torchrun (NCCL), 1 process and one
 #          per visible GPU when there are several (not in the default set)
 #
@@ -27,7 +30,7 @@
 # one device call of <= ~9 minutes suffices). Each step runs under `timeout`
 # with min(its own limit, what is left minus the minimum reserved for the
 # steps after it). Limits (seconds) can be changed with T_INFO, T_BUILD,
-# T_TESTS_CUDA, T_TESTS, T_OPS, T_GAT, T_PROFILE.
+# T_TESTS_CUDA, T_TESTS, T_OPS, T_GAT, T_PROFILE, T_PREPARE.
 #
 # Outputs in $OUT (default ./gpu_out), at most 8 files, refreshed after every
 # step so that a killed run still returns what it had:
@@ -68,7 +71,7 @@ RESERVE=15 # for the final collection
 START=$SECONDS
 
 # ---------------------------------------------------------------- arguments
-want_info=1 want_build=0 want_tests=0 want_ops=0 want_gat=0 want_profile=0 want_ddp=0
+want_info=1 want_build=0 want_tests=0 want_ops=0 want_gat=0 want_profile=0 want_ddp=0 want_prepare=0
 cuda_only=0 quick=""
 if [ $# -eq 0 ]; then
     want_build=1 want_tests=1 want_ops=1 want_gat=1
@@ -82,6 +85,7 @@ for a in "$@"; do
         cudatests) want_tests=1 cuda_only=1 ;;
         profile) want_profile=1 ;;
         ddp) want_ddp=1 ;;
+        prepare) want_prepare=1 ;;
         ops) want_ops=1 ;;
         gat) want_gat=1 ;;
         bench) want_ops=1 want_gat=1 ;;
@@ -91,18 +95,18 @@ for a in "$@"; do
             exit 0
             ;;
         *)
-            echo "unknown step '$a' (info build tests cudatests ops gat bench profile ddp all quick)" >&2
+            echo "unknown step '$a' (info build tests cudatests ops gat bench profile prepare ddp all quick)" >&2
             exit 2
             ;;
     esac
 done
 
 # min seconds reserved for each later step (so early steps cannot starve them)
-MIN_TESTS_CUDA=45 MIN_TESTS=60 MIN_OPS=90 MIN_GAT=120 MIN_PROFILE=60 MIN_DDP=40
+MIN_TESTS_CUDA=45 MIN_TESTS=60 MIN_OPS=90 MIN_GAT=120 MIN_PROFILE=60 MIN_PREPARE=40 MIN_DDP=40
 
 reserved_after() { # sum of the minimum shares of the wanted steps after $1
     local s=0 seen=0 st
-    for st in info build tests_cuda tests ops gat profile ddp; do
+    for st in info build tests_cuda tests ops gat profile prepare ddp; do
         if [ $seen -eq 1 ]; then
             case $st in
                 tests_cuda) [ $want_tests -eq 1 ] && s=$((s + MIN_TESTS_CUDA)) ;;
@@ -110,6 +114,7 @@ reserved_after() { # sum of the minimum shares of the wanted steps after $1
                 ops) [ $want_ops -eq 1 ] && s=$((s + MIN_OPS)) ;;
                 gat) [ $want_gat -eq 1 ] && s=$((s + MIN_GAT)) ;;
                 profile) [ $want_profile -eq 1 ] && s=$((s + MIN_PROFILE)) ;;
+                prepare) [ $want_prepare -eq 1 ] && s=$((s + MIN_PREPARE)) ;;
                 ddp) [ $want_ddp -eq 1 ] && s=$((s + MIN_DDP)) ;;
             esac
         fi
@@ -181,7 +186,7 @@ collect() {
     } >"$OUT/summary.txt" 2>/dev/null
     tail_into "$OUT/build.log" 400 "$LOGS/build.log"
     tail_into "$OUT/tests.log" 400 "$LOGS/tests_cuda.log" "$LOGS/tests.log" "$LOGS"/tests_*.part
-    tail_into "$OUT/bench.log" 300 "$LOGS/ops.log" "$LOGS/gat.log" "$LOGS/ddp.log"
+    tail_into "$OUT/bench.log" 300 "$LOGS/ops.log" "$LOGS/gat.log" "$LOGS/prepare.log" "$LOGS/ddp.log"
     tail_into "$OUT/profile.log" 600 "$LOGS/profile.log"
     for f in "$BENCH"/*_"$DEV".md "$BENCH/gat_$DEV.png"; do
         [ -f "$f" ] && cp "$f" "$OUT/"
@@ -324,7 +329,11 @@ exit \$rc"
 fi
 
 if [ $want_profile -eq 1 ]; then
-    run_step profile "${T_PROFILE:-120}" "python3 benchmarks/profile_gat.py --device $DEV"
+    run_step profile "${T_PROFILE:-120}" "python3 benchmarks/profile_gat.py --device $DEV ${PROFILE_ONLY:+--only '$PROFILE_ONLY'} ${PROFILE_PROVIDERS:+--providers '$PROFILE_PROVIDERS'}"
+fi
+
+if [ $want_prepare -eq 1 ]; then
+    run_step prepare "${T_PREPARE:-120}" "python3 benchmarks/bench_prepare.py --device $DEV --sizes 1M:20M --out '$BENCH' $quick"
 fi
 
 if [ $want_ddp -eq 1 ]; then

@@ -70,3 +70,45 @@ def test_example_runs_both_layers(capsys, mfg):
         # same initial weights, same batches, no dropout: the same run
         assert abs(h['fast_loss'] - h['pyg_loss']) < 1e-4 * max(
             1.0, h['pyg_loss'])
+
+
+@pytest.mark.parametrize('fanouts', [[5, 3], [4, 3, 2]])
+def test_hop_counts_recovered(fanouts):
+    """torch-sparse's sampler reports no per-hop counts: hop_counts recovers
+    them from the batch's edges; on the fallback sampler's batches (which
+    report them) the recovered counts equal the reported ones."""
+    from torch_geometric.data import Data
+    mod = load()
+    N = 400
+    x, y, ei = mod.power_law_graph(N, 6, 4, 3, seed=2)
+    s = mod.TorchNeighborSampler(x, y, ei, N, fanouts, torch.arange(60), 20)
+    for b in s:
+        want = (list(b.num_sampled_nodes), list(b.num_sampled_edges))
+        bare = Data(edge_index=b.edge_index, num_nodes=b.n_id.numel())
+        bare.batch_size = b.batch_size
+        assert mod.hop_counts(bare, len(fanouts)) == want
+        if b.edge_index.size(1) > 1:  # edges out of hop order: refused
+            flipped = Data(edge_index=b.edge_index.flip(1),
+                           num_nodes=b.n_id.numel())
+            flipped.batch_size = b.batch_size
+            with pytest.raises(RuntimeError, match='hop by hop'):
+                mod.hop_counts(flipped, len(fanouts))
+
+
+def test_example_runs_with_neighbor_loader(capsys):
+    """The example on PyG's NeighborLoader, where a sampler backend (pyg-lib
+    or torch-sparse) is installed."""
+    import torch_geometric.typing as tg
+    if not (tg.WITH_PYG_LIB or tg.WITH_TORCH_SPARSE):
+        pytest.skip('NeighborLoader needs pyg-lib or torch-sparse '
+                    '(pip install --no-build-isolation ".[sampling]")')
+    mod = load()
+    hist = mod.run(['--nodes', '3000', '--avg-degree', '6', '--features',
+                    '16', '--classes', '4', '--hidden', '8', '--heads', '2',
+                    '--batch-size', '64', '--max-steps', '3', '--dropout',
+                    '0', '--layer', 'both', '--layers', '2', '--device',
+                    'cpu', '--sampler', 'pyg', '--log-every', '0'])
+    assert 'NeighborLoader' in capsys.readouterr().out
+    h = hist[0]
+    assert h['steps'] == 3
+    assert abs(h['fast_loss'] - h['pyg_loss']) < 1e-4 * max(1.0, h['pyg_loss'])
