@@ -71,10 +71,12 @@ at::Tensor score_weight(const at::Tensor& att) {
   return B.view({H * C, K * H});
 }
 
-// Gradient of att [K, H, C] from P = h.view(N, H * C).t() @ g [H * C, K * H].
+// Gradient of att[k] [1, H, C] from P = h.view(N, H * C).t() @ g
+// [H * C, K * H]: its k-th diagonal blocks (a tensor of its own).
 at::Tensor score_weight_grad(const at::Tensor& P, int64_t H, int64_t C,
-                             int64_t K) {
-  return P.view({H, C, K, H}).diagonal(0, 0, 3).permute({1, 2, 0}).contiguous();
+                             int64_t K, int64_t k) {
+  return P.view({H, C, K, H}).diagonal(0, 0, 3).select(1, k).t().contiguous()
+      .unsqueeze(0);
 }
 
 at::Tensor flat(const at::Tensor& h) { return h.reshape({h.size(0), -1}); }
@@ -200,23 +202,20 @@ std::vector<at::Tensor> gat_attention_backward(
         if (need_w) g_w = g_h2.t().mm(*x);
       }
     }
-    const at::Tensor g_att = score_weight_grad(P, H, C, 2);
-    // two outputs: no shared storage (compilers reuse output buffers)
-    g_att_src = g_att.slice(0, 0, 1).clone();
-    g_att_dst = g_att.slice(0, 1, 2).clone();
+    // two outputs with storage of their own (compilers reuse output buffers)
+    g_att_src = score_weight_grad(P, H, C, 2, 0);
+    g_att_dst = score_weight_grad(P, H, C, 2, 1);
   } else {
     g_h2.addmm_(g_src, score_weight(att_src).t());
-    g_att_src = score_weight_grad(flat(h).t().mm(g_src), H, C, 1);
+    g_att_src = score_weight_grad(flat(h).t().mm(g_src), H, C, 1, 0);
     if (g_dst.defined()) {
       g_h_dst = g_dst.mm(score_weight(att_dst).t()).view(h_dst->sizes());
-      g_att_dst = score_weight_grad(flat(*h_dst).t().mm(g_dst), H, C, 1);
+      g_att_dst = score_weight_grad(flat(*h_dst).t().mm(g_dst), H, C, 1, 0);
     }
   }
   at::Tensor g_bias;
-  if (output_mask[7] && bias.has_value()) {  // a column sum as one mat-vec
-    const at::Tensor g2 = grad_out.reshape({-1, HC});
-    g_bias = at::mv(g2.t(), at::ones({g2.size(0)}, g2.options())).view(bias->sizes());
-  }
+  if (output_mask[7] && bias.has_value())  // the column sum
+    g_bias = grad_out.reshape({-1, HC}).sum(0).view(bias->sizes());
   const at::Tensor e = none_like(h);
   auto or_empty = [&](const at::Tensor& t, bool want) {
     return want && t.defined() ? t : e;
