@@ -511,6 +511,16 @@ def _edge_index_meta(edge_index, num_src, num_dst):
     return num_src, num_dst, by_dst, dst_ptr, T
 
 
+def _plain(t: Tensor) -> Tensor:
+    """A subclass tensor's data as a plain ``Tensor`` (zero-copy). PyG's
+    ``EdgeIndex`` keeps itself through ``as_subclass`` and routes every op
+    through its ``__torch_dispatch__`` (tens of microseconds each on the
+    host); ``as_tensor()`` gives its data."""
+    as_tensor = getattr(t, 'as_tensor', None)
+    t = as_tensor() if callable(as_tensor) else t
+    return t if type(t) is Tensor else t.as_subclass(Tensor)
+
+
 def _csc_from_transpose(T, src, dst, rowptr_dtype, num_src) -> Optional[CSC]:
     """An ``EdgeIndex``'s cached transpose (sorted by source) as the CSC of a
     graph without added loops (CSR positions = input positions)."""
@@ -549,7 +559,7 @@ def _prepare(edge_index, num_src: Optional[int], num_dst: Optional[int],
         if sorted is None:
             sorted = by_dst
     if type(edge_index) is not Tensor and not _is_compiling():
-        edge_index = edge_index.as_subclass(Tensor)  # e.g. PyG's EdgeIndex
+        edge_index = _plain(edge_index)
     src, dst = edge_index[0], edge_index[1]
     mode = _validation_mode(validate, src.device)
     if num_src is None or num_dst is None:
