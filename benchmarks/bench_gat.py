@@ -474,8 +474,9 @@ def layer_workload(N, E, fin, H, C, mode, dev, args, provs,
                    graph=None) -> List[dict]:
     """graph: None (uniform random edges) or (kind, s) of
     _graphs.skewed_csr (power law, one hub row, rows of 20)."""
+    x_grad = mode == 'fwd+bwd' and getattr(args, 'x_grad', False)
     wl = (f'layer {fmt_count(N)}/{fmt_count(E)}{_graph_tag(graph)} '
-          f'{fin}->{H}x{C} {mode}')
+          f'{fin}->{H}x{C} {mode}{" x-grad" if x_grad else ""}')
     base = dict(workload=wl, kind=f'layer {mode}', nodes=N, edges=E,
                 in_channels=fin, heads=H, channels=C,
                 graph=graph[0] if graph else 'uniform')
@@ -487,7 +488,7 @@ def layer_workload(N, E, fin, H, C, mode, dev, args, provs,
         _, col, row = skewed_csr(graph[0], N, E, dev, s=graph[1], seed=11)
         ei = torch.stack([col, row])  # source -> destination
         del col, row
-    x = randn((N, fin), dev, 12)
+    x = randn((N, fin), dev, 12, requires_grad=x_grad)
     gout = randn((N, H * C), dev, 13) if mode == 'fwd+bwd' else None
     torch.manual_seed(0)
     pyg_conv = pyg_cls(args)(fin, C, heads=H).to(dev)
@@ -495,6 +496,8 @@ def layer_workload(N, E, fin, H, C, mode, dev, args, provs,
 
     def fn_for(conv, amp=None):
         params = [p for p in conv.parameters() if p.requires_grad]
+        if x_grad:  # a hidden layer: the gradient of its input too
+            params.append(x)
         if mode == 'fwd':
             conv.eval()
 
@@ -738,9 +741,9 @@ def markdown(meta, records) -> str:
              'includes one-off graph preparation (prepare ms: '
              '`pyg_fastattn.prepare` alone). rel err = max|provider - PyG| / '
              'max|PyG| with identical weights: eval-mode outputs (epochs, fwd) '
-             'or parameter gradients (fwd+bwd). fast+graph: '
-             'the epoch captured once in a CUDA graph and replayed (fused '
-             'Adam: one kernel); its memory '
+             'or parameter gradients (fwd+bwd; with --x-grad also x\'s). '
+             'fast+graph: the epoch captured once in a CUDA graph and '
+             'replayed (fused Adam: one kernel); its memory '
              'lives in the graph\'s private pool, so it shows as resident MiB '
              '(incl. parameters and optimizer state), first call = warm-up + '
              'capture. Epoch = '
@@ -881,6 +884,9 @@ def main(argv=None):
     ap.add_argument('--conv', default='gat', choices=sorted(CONVS),
                     help='layer family: GATConv, GATv2Conv or '
                          'TransformerConv against its drop-in')
+    ap.add_argument('--x-grad', action='store_true',
+                    help='layer fwd+bwd also differentiates x (a hidden '
+                         'layer; workload names end in "x-grad")')
     ap.add_argument('--fast-impl', default=None,
                     help='module:Class used as the fast conv (testing the '
                          'harness, e.g. torch_geometric.nn:GATConv)')
