@@ -24,7 +24,8 @@
 #   ddp    examples/train_ddp.py under torchrun (NCCL), 1 process and one
 #          per visible GPU when there are several (not in the default set)
 #
-# BENCH_ONLY / BENCH_PROVIDERS: --only / --providers of bench_gat.py.
+# BENCH_ONLY / BENCH_PROVIDERS: --only / --providers of bench_gat.py;
+# BENCH_XGRAD=1: its --x-grad (layer fwd+bwd also differentiates x).
 #
 # Time: the whole run stays within GPU_CHECK_BUDGET seconds (default 530, so
 # one device call of <= ~9 minutes suffices). Each step runs under `timeout`
@@ -323,7 +324,7 @@ if [ $want_gat -eq 1 ]; then
     # step's time); gat by default
     run_step gat "${T_GAT:-240}" "convs=(${BENCH_CONVS:-gat}); share=\$(( STEP_LIMIT / \${#convs[@]} )); rc=0
 for c in \${convs[@]}; do
-    python3 benchmarks/bench_gat.py --conv \$c --device $DEV --cuda-graph --out '$BENCH' --budget-s \$(( share > 120 ? share - 60 : share / 2 )) $quick ${BENCH_ONLY:+--only '$BENCH_ONLY'} ${BENCH_PROVIDERS:+--providers '$BENCH_PROVIDERS'} || rc=1
+    python3 benchmarks/bench_gat.py --conv \$c --device $DEV --cuda-graph --out '$BENCH' --budget-s \$(( share > 120 ? share - 60 : share / 2 )) $quick ${BENCH_ONLY:+--only '$BENCH_ONLY'} ${BENCH_PROVIDERS:+--providers '$BENCH_PROVIDERS'} ${BENCH_XGRAD:+--x-grad} || rc=1
 done
 exit \$rc"
 fi
