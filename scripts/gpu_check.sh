@@ -292,14 +292,16 @@ if [ $want_tests -eq 1 ]; then
             'python3 -m pytest tests -q -x -m cuda -rfEs --durations=10 -p no:cacheprovider'
     else
         # TEST_SHARDS=N runs the test files in N concurrent pytest processes
-        # (round robin over the files), each logging to tests_<k>.log.
+        # (files balanced by scripts/test_shards.sh), each logging to
+        # tests_<k>.part.
         run_step tests "${T_TESTS:-360}" '
 n=${TEST_SHARDS:-1}
-mapfile -t files < <(ls tests/test_*.py)
+mapfile -t shards < <(scripts/test_shards.sh "$n")
 pids=()
 for ((k = 0; k < n; k++)); do
-    sel=()
-    for ((i = k; i < ${#files[@]}; i += n)); do sel+=("${files[$i]}"); done
+    [ -n "${shards[$k]:-}" ] || continue
+    read -ra sel <<<"${shards[$k]}"
+    echo "shard $k: ${sel[*]}"
     OMP_NUM_THREADS=$(( $(nproc) / n )) python3 -m pytest "${sel[@]}" -q -rfEs --durations=8 -p no:cacheprovider \
         >"'"$LOGS"'/tests_$k.part" 2>&1 &
     pids+=($!)
@@ -307,6 +309,7 @@ done
 rc=0
 for p in "${pids[@]}"; do wait "$p" || rc=1; done
 for ((k = 0; k < n; k++)); do
+    [ -f "'"$LOGS"'/tests_$k.part" ] || continue
     echo "===== shard $k ====="
     cat "'"$LOGS"'/tests_$k.part"
 done
