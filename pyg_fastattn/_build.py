@@ -133,6 +133,10 @@ def _compile_and_load(root: Path, with_cuda: bool) -> str:
     with open(bdir.parent / f'{bdir.name}.lock', 'w') as lockf:
         fcntl.flock(lockf, fcntl.LOCK_EX)  # serialize builds across processes
         try:
+            # cpp_extension's own lock file: with our flock held no other
+            # build runs here, so one left by a killed build is stale (and
+            # cpp_extension would wait for it forever).
+            (bdir / 'lock').unlink(missing_ok=True)
             so = bdir / f'{NAME}.so'
             for attempt in range(2):
                 if not so.exists():

@@ -10,7 +10,7 @@ n=${1:-1}
 weight() {
     case $(basename "$1") in
         test_compile.py) echo 200 ;;
-        test_robustness.py) echo 95 ;;
+        test_robustness.py) echo 140 ;;
         test_gatv2.py) echo 90 ;;
         test_transformer_conv.py) echo 80 ;;
         test_train.py | test_ops.py) echo 60 ;;
