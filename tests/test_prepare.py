@@ -283,3 +283,22 @@ def test_edge_index_reaches_the_build_as_plain_tensors(monkeypatch):
     g = prepare(ei)
     assert seen == [(torch.Tensor, torch.Tensor)]
     assert_same_graph(g, prepare(ei.as_tensor(), num_nodes=3))
+
+
+def test_eager_prepare_skips_the_custom_op_wrappers(monkeypatch):
+    """Eager preparation calls the builds directly: the custom ops (what
+    torch.compile sees) cost more host time than building a small graph."""
+    def refuse(*args):
+        raise AssertionError('eager prepare went through the custom op')
+
+    monkeypatch.setattr(graph_mod, '_build_csr', refuse)
+    monkeypatch.setattr(graph_mod, '_build_csc', refuse)
+    ei = torch.tensor([[0, 1, 2, 2], [1, 2, 0, 2]])
+    g = prepare(ei, num_nodes=3)
+    monkeypatch.undo()
+    want = graph_mod._build_csr(ei[0], ei[1], 3, 3, True, False, None)
+    for got, w in zip((g.rowptr, g.col, g.csr_perm, g.removed, g.fill_index),
+                      want):
+        assert torch.equal(got, w)
+    for got, w in zip(g.csc, graph_mod._build_csc(g.rowptr, g.col, 3)):
+        assert torch.equal(got, w)
