@@ -306,20 +306,27 @@ def test_reference_backend_env(tmp_path):
     assert not any(tmp_path.iterdir()), 'reference backend must not build'
 
 
-@pytest.mark.skipif(os.environ.get('PYG_FASTATTN_BACKEND') == 'reference',
-                    reason='native backend disabled')
-def test_concurrent_builds(tmp_path):
-    """Two processes importing and building into one fresh cache at once
-    both succeed and both get the native kernels. When this process has a
-    CPU-only build, its compiled objects are copied in (not the library):
-    the race is then over ninja's link step, not minutes of compiling."""
-    env = dict(os.environ, PYG_FASTATTN_CACHE=str(tmp_path),
-               PYG_FASTATTN_BACKEND='native', PYG_FASTATTN_CUDA='0')
+def _native_cpu_cache(tmp_path):
+    """The environment of a CPU-only native build into the fresh cache
+    ``tmp_path``. When this process has a CPU-only build, its compiled
+    objects are copied in (not the library, not the lock): a build there is
+    then ninja's link step, not minutes of compiling."""
     st = _build.load()
     if st.native and not st.cuda and st.build_dir:
         src = Path(st.build_dir)
         shutil.copytree(src, tmp_path / src.name, ignore=shutil.ignore_patterns(
             '*.so', 'lock'))
+    return dict(os.environ, PYG_FASTATTN_CACHE=str(tmp_path),
+                PYG_FASTATTN_BACKEND='native', PYG_FASTATTN_CUDA='0')
+
+
+@pytest.mark.skipif(os.environ.get('PYG_FASTATTN_BACKEND') == 'reference',
+                    reason='native backend disabled')
+def test_concurrent_builds(tmp_path):
+    """Two processes importing and building into one fresh cache at once
+    both succeed and both get the native kernels (the race is over ninja's
+    link step where _native_cpu_cache seeds the objects)."""
+    env = _native_cpu_cache(tmp_path)
     code = textwrap.dedent(_PROBE)
     procs = [subprocess.Popen([sys.executable, '-c', code], env=env,
                               cwd=str(REPO), stdout=subprocess.PIPE,
@@ -336,15 +343,8 @@ def test_concurrent_builds(tmp_path):
 def test_stale_build_lock_does_not_hang(tmp_path):
     """A build killed midway leaves torch's ``lock`` file in the build
     folder; the next import must not wait for it forever (torch's
-    cpp_extension would). This process's compiled objects are copied in
-    when it has a CPU-only build, so only the link step runs."""
-    env = dict(os.environ, PYG_FASTATTN_CACHE=str(tmp_path),
-               PYG_FASTATTN_BACKEND='native', PYG_FASTATTN_CUDA='0')
-    st = _build.load()
-    if st.native and not st.cuda and st.build_dir:
-        src = Path(st.build_dir)
-        shutil.copytree(src, tmp_path / src.name, ignore=shutil.ignore_patterns(
-            '*.so', 'lock'))
+    cpp_extension would)."""
+    env = _native_cpu_cache(tmp_path)
     code = """
         from pyg_fastattn import _build
         root = _build._csrc()
