@@ -93,10 +93,14 @@ def _version_line(cmd: List[str]) -> str:
 
 
 def _toolchain(with_cuda: bool) -> tuple:
-    """What a build depends on besides the sources: the C++ compiler, and
-    with CUDA nvcc and the target architectures (TORCH_CUDA_ARCH_LIST, or
-    the visible GPUs' that cpp_extension builds for when it is unset)."""
-    parts = [_version_line([os.environ.get('CXX', 'c++')])]
+    """What a build depends on besides the sources: the torch installation
+    (two environments with one torch version would otherwise share a folder
+    and rebuild each other's objects: cpp_extension writes its include
+    paths into the folder's build.ninja), the C++ compiler, and with CUDA
+    nvcc and the target architectures (TORCH_CUDA_ARCH_LIST, or the visible
+    GPUs' that cpp_extension builds for when it is unset)."""
+    parts = [os.path.dirname(os.path.realpath(torch.__file__)),
+             _version_line([os.environ.get('CXX', 'c++')])]
     if with_cuda:
         from torch.utils.cpp_extension import CUDA_HOME
         parts.append(_version_line([os.path.join(CUDA_HOME, 'bin', 'nvcc')]))
