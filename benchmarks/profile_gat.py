@@ -4,6 +4,7 @@ fast layer (and PyG's) for the training epoch and one layer forward+backward.
 
     python benchmarks/profile_gat.py --device cuda            # all workloads
     python benchmarks/profile_gat.py --device cpu --only Cora
+    python benchmarks/profile_gat.py --conv gatv2 --only layer --providers fast,fast_bf16
 
 Prints, per workload and provider: median time, number of dispatched aten
 ops (host overhead per op is what bounds small graphs) and the top kernels
@@ -48,7 +49,7 @@ def epoch_fn(conv, name, dev):
     return B.train_step(m, opt, x, ei, y, idx)
 
 
-def layer_fn(conv, N, E, fin, H, C, dev, graph=None):
+def layer_fn(conv, N, E, fin, H, C, dev, graph=None, amp=False):
     if graph is None:  # uniform random edges
         ei = torch.randint(N, (2, E), device=dev, generator=generator(dev, 11))
     else:  # ('power', s): as bench_gat.py's power-law workloads
@@ -59,7 +60,14 @@ def layer_fn(conv, N, E, fin, H, C, dev, graph=None):
     torch.manual_seed(0)
     m = conv(fin, C, heads=H).to(dev).train()
     params = list(m.parameters())
-    return lambda: torch.autograd.grad(m(x, ei), params, gout)
+    if not amp:
+        return lambda: torch.autograd.grad(m(x, ei), params, gout)
+
+    def fn():
+        with torch.autocast(dev.type, torch.bfloat16):
+            out = m(x, ei)
+        return torch.autograd.grad(out, params, gout.to(out.dtype))
+    return fn
 
 
 def prepare_fn(dev, N, E, is_sorted):
@@ -96,25 +104,34 @@ def main():
     ap.add_argument('--only', default=None, help='substring filter')
     ap.add_argument('--providers', default='fast,pyg')
     ap.add_argument('--rows', type=int, default=18)
+    ap.add_argument('--conv', default='gat', choices=sorted(B.CONVS),
+                    help='the layer of the layer workloads')
     args = ap.parse_args()
     dev = pick_device(args.device)
     setup_threads(dev)
-    convs = {'fast': FastGATConv, 'pyg': GATConv}
+    import pyg_fastattn
+    import torch_geometric.nn as pyg_nn
+    pyg_name, fast_name = B.CONVS[args.conv]
+    convs = {'fast': getattr(pyg_fastattn, fast_name),
+             'fast_bf16': getattr(pyg_fastattn, fast_name),
+             'pyg': getattr(pyg_nn, pyg_name)}
     if dev.type == 'cuda':
         layers = [(100_000, 2_000_000, 128, 8, 16), (1_000_000, 20_000_000, 128, 4, 32)]
     else:
         layers = [(50_000, 1_000_000, 64, 4, 16)]
-    work = [(f'{n} epoch', lambda c, n=n: epoch_fn(c, n, dev)) for n in ('Cora', 'CiteSeer')]
+    # the epochs are GAT models; the layers take --conv
+    work = [(f'{n} epoch', lambda c, a, n=n: epoch_fn(c, n, dev))
+            for n in ('Cora', 'CiteSeer')]
     work += [(f'layer {N}/{E} {fin}->{H}x{C} fwd+bwd',
-              lambda c, s=(N, E, fin, H, C): layer_fn(c, *s, dev))
+              lambda c, a, s=(N, E, fin, H, C): layer_fn(c, *s, dev, amp=a))
              for N, E, fin, H, C in layers]
     if dev.type == 'cuda':
         work.append(('layer 1000000/20000000 power s=1.0 128->4x32 fwd+bwd',
-                     lambda c: layer_fn(c, 1_000_000, 20_000_000, 128, 4, 32,
-                                        dev, ('power', 1.0))))
+                     lambda c, a: layer_fn(c, 1_000_000, 20_000_000, 128, 4,
+                                           32, dev, ('power', 1.0), amp=a)))
     if dev.type == 'cuda':
         work += [(f'prepare 1000000/20000000 {tag}',
-                  lambda c, s=s: prepare_fn(dev, 1_000_000, 20_000_000, s))
+                  lambda c, a, s=s: prepare_fn(dev, 1_000_000, 20_000_000, s))
                  for tag, s in (('unsorted+csc', False), ('sorted', True))]
     for label, make in work:
         if args.only and not any(s in label for s in args.only.split(',')):
@@ -122,8 +139,13 @@ def main():
         for prov in args.providers.split(','):
             if label.startswith('prepare') and prov != 'fast':
                 continue
-            st, _, msg = guarded(lambda: profile(f'{label} [{prov}]', make(convs[prov]), dev,
-                                                 args.rows), dev)
+            if prov == 'fast_bf16' and not label.startswith('layer'):
+                continue
+            conv = convs[prov] if label.startswith('layer') else {
+                'pyg': GATConv}.get(prov, FastGATConv)
+            st, _, msg = guarded(lambda: profile(
+                f'{label} [{prov}, {args.conv if label.startswith("layer") else "gat"}]',
+                make(conv, prov == 'fast_bf16'), dev, args.rows), dev)
             if st != 'ok':
                 print(f'\n=== {label} [{prov}]: {st} {msg}')
             free_memory(dev)
