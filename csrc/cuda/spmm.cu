@@ -123,6 +123,40 @@ __global__ void __launch_bounds__(kBlock)
       [&](int64_t x, A tot) { a.out[i * D + x] = from_acc<scalar_t>(tot); });
 }
 
+// Split path, first part (make_split, utils.cuh): the window partials of
+// the long rows (PARTIAL spmm_kernel over layout L) into a.part. The row
+// kernel launched next must skip rows over a.sp.split;
+// launch_split_combine then finishes them. `win` and `part` keep the
+// buffers alive until the launches are queued. Nothing without long rows.
+template <typename scalar_t, typename index_t>
+void launch_split_partials(SpmmArgs<scalar_t, index_t>& a, const TileLayout& L,
+                           bool vec, int64_t D, const at::TensorOptions& opts,
+                           at::Tensor& win, at::Tensor& part) {
+  a.sp = make_split(a.rowptr, a.N, a.E, opts, win);
+  if (a.sp.nwin == 0) return;
+  part = at::empty({2 * a.sp.nwin, D},
+                   opts.dtype(opmath_type(c10::CppTypeToScalarType<scalar_t>::value)));
+  a.part = part.data_ptr<acc_t<scalar_t>>();
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
+    constexpr int V = decltype(v)::value, KHQ = decltype(k)::value;
+    spmm_kernel<scalar_t, index_t, V, KHQ, true>
+        <<<dim3(static_cast<unsigned>(a.sp.nwin), L.n_tiles), kBlock, 0,
+           stream>>>(a, L);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+// Split path, last part: the long rows' outputs from their partials.
+template <typename scalar_t, typename index_t>
+void launch_split_combine(const SpmmArgs<scalar_t, index_t>& a, int64_t D) {
+  if (a.sp.nwin == 0) return;
+  spmm_combine_kernel<scalar_t, index_t>
+      <<<static_cast<unsigned>(a.sp.nwin), kBlock, 0,
+         at::cuda::getCurrentCUDAStream()>>>(a, D);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // values viewed as [Ns, H, C]; out is [N, H, C]. Without weight the heads do
 // not matter and the row is treated as one head of H * C channels.
 template <typename scalar_t, typename index_t>
@@ -140,30 +174,15 @@ void launch_spmm(SpmmArgs<scalar_t, index_t> a, int64_t H, int64_t C,
   a.coop = coop_edges(a.N, L.n_tiles);
   const int64_t D = H * C;
   at::Tensor win, part;
-  a.sp = make_split(a.rowptr, a.N, a.E, opts, win);
-  if (a.sp.nwin > 0) {
-    part = at::empty({2 * a.sp.nwin, D},
-                     opts.dtype(opmath_type(c10::CppTypeToScalarType<scalar_t>::value)));
-    a.part = part.data_ptr<acc_t<scalar_t>>();
-  }
+  launch_split_partials(a, L, vec, D, opts, win, part);
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
     constexpr int V = decltype(v)::value, KHQ = decltype(k)::value;
-    if (a.sp.nwin > 0) {
-      spmm_kernel<scalar_t, index_t, V, KHQ, true>
-          <<<dim3(static_cast<unsigned>(a.sp.nwin), grid.y), kBlock, 0,
-             stream>>>(a, L);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-    }
     spmm_kernel<scalar_t, index_t, V, KHQ, false>
         <<<grid, kBlock, 0, stream>>>(a, L);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  if (a.sp.nwin > 0) {
-    spmm_combine_kernel<scalar_t, index_t>
-        <<<static_cast<unsigned>(a.sp.nwin), kBlock, 0, stream>>>(a, D);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  launch_split_combine(a, D);
 }
 
 // ---------------------------------------------------------------------------
@@ -224,7 +243,8 @@ __device__ __forceinline__ void seg_accumulate(
 // b * (kBlock / G) + t / G (thread t), kWarp / G rows per warp. Lane gl of a
 // group walks edges start + gl, start + gl + G, ... (seg_accumulate) over the
 // whole row width; the G partial sums are combined with xor shuffles (fixed
-// order: deterministic) and lane 0 of the group stores. Rows with more than
+// order: deterministic) and lane 0 of the group stores. Rows over the split
+// threshold (a.sp.split) are left to the split path. Rows with more than
 // a.coop edges are first summed one after the other by the whole block
 // (thread t takes edges start + t, start + t + kBlock, ...; warp sums by
 // shuffles, then the 8 warp sums added in warp order in shared memory and
@@ -255,6 +275,8 @@ __global__ void __launch_bounds__(kBlock, 1)
   const int64_t row = row0 + (static_cast<int>(threadIdx.x) >> g_log);
   int64_t start = 0, end = 0;
   if (row < a.N) row_range(a.rowptr, row, a.E, start, end);
+  const bool is_split = end - start > a.sp.split;  // the split path sums it
+  if (is_split) end = start;
   const bool is_long = end - start > a.coop;
   // Bit (group leader lane) of each long row, per warp.
   const unsigned lm = __ballot_sync(kFullMask, is_long && gl == 0);
@@ -295,7 +317,7 @@ __global__ void __launch_bounds__(kBlock, 1)
 #pragma unroll
     for (int k = 0; k < K; ++k) acc[k] += __shfl_xor_sync(kFullMask, acc[k], off);
   }
-  if (gl != 0 || row >= a.N || is_long) return;
+  if (gl != 0 || row >= a.N || is_long || is_split) return;
   if constexpr (V > 1) {
 #pragma unroll
     for (int u = 0; u < NU; ++u) {
@@ -346,8 +368,11 @@ inline int64_t seg_coop_edges(int64_t blocks, int G) {
 // fills whole vectors and src / out are 16-byte aligned; else scalars
 // (V = 1) with NU = 1, 4 or kSegMaxBytes / sizeof(scalar_t) >= H slots.
 // Grid: one block per kBlock / G rows (row_grid over N / (kWarp / G) warps).
+// Rows over the split threshold take the split path of the spmm engine
+// (window partials, combined in window order) around the narrow launch.
 template <typename scalar_t, typename index_t>
-bool launch_segment_sum_narrow(SpmmArgs<scalar_t, index_t> a, int64_t H) {
+bool launch_segment_sum_narrow(SpmmArgs<scalar_t, index_t> a, int64_t H,
+                               const at::TensorOptions& opts) {
   constexpr int S = static_cast<int>(sizeof(scalar_t));
   if (H < 1 || H * S > kSegMaxBytes) return false;
   constexpr int VW = vec_width<scalar_t>();
@@ -355,6 +380,9 @@ bool launch_segment_sum_narrow(SpmmArgs<scalar_t, index_t> a, int64_t H) {
   const int g_log = seg_group_log(a.E, a.N, a.col != nullptr);
   const dim3 grid = row_grid(ceil_div(a.N, kWarp >> g_log), 1);
   a.coop = seg_coop_edges(grid.x, 1 << g_log);
+  at::Tensor win, part;
+  launch_split_partials(a, make_layout(1, H, vec ? VW : 1, /*channel_tiles=*/true),
+                        vec, H, opts, win, part);
   auto stream = at::cuda::getCurrentCUDAStream();
   auto go = [&](auto v, auto nu) {
     constexpr int V = decltype(v)::value, NU = decltype(nu)::value;
@@ -375,6 +403,7 @@ bool launch_segment_sum_narrow(SpmmArgs<scalar_t, index_t> a, int64_t H) {
   } else {
     go(one(), std::integral_constant<int, kSegMaxBytes / S>());
   }
+  launch_split_combine(a, H);
   return true;
 }
 
@@ -442,7 +471,8 @@ at::Tensor segment_sum_cuda(const at::Tensor& rowptr_in,
       a.E = perm.defined() ? perm.numel() : src.size(0);
       a.Ns = src.size(0);
       a.Ew = 0;
-      if (!launch_segment_sum_narrow(a, H)) launch_spmm(a, 1, H, false, src.options());
+      if (!launch_segment_sum_narrow(a, H, src.options()))
+        launch_spmm(a, 1, H, false, src.options());
     });
   });
   return out;

@@ -176,6 +176,9 @@ std::vector<at::Tensor> gat_attention_backward(
   const bool need_x = output_mask[0], need_w = output_mask[1],
              need_edge = output_mask[6] && a_edge.has_value();
   const OptTensor a_dst = opt(a_dst_);
+  // The ops below run under no autograd (no double backward): skip their
+  // Autograd kernels (segment_sum's is Python, host time on every call).
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
   auto [g_h, g_z, g_src] = call_attention_backward(
       rowptr, col, colptr, csc_row, csc_perm, a_src, a_dst, a_edge, mask, h,
       negative_slope, out, lse, grad_out.contiguous(), need_edge, bias);
