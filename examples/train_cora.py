@@ -196,22 +196,35 @@ def _side_stream(device):
 def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
           hidden=8, heads=8, dropout=0.6, device=None, seed=0, log_every=0,
           cuda_graph=False, measure_memory=True, log=print, amp='none',
-          compile='none', family='gat'):
+          compile='none', family='gat', compile_rng='inductor'):
     """Train one GAT (``family``: 'gat', 'gatv2' or 'transformer' layers) and
     return a dict: ``test_acc`` (at the best validation
     epoch), ``final_test_acc`` (at the last epoch), ``best_val_acc``,
     ``best_epoch``, ``epoch_times`` (seconds per training step, warm-up
     included), ``warmup_epochs``, ``warmup_s`` (training steps and
     evaluations of the warm-up epochs: compilation, CUDA-graph capture),
-    ``median_epoch_ms`` (training steps after the warm-up), ``peak_memory``
+    ``median_epoch_ms`` (training steps after the warm-up), ``losses`` (the
+    training loss of each epoch), ``peak_memory``
     (bytes or None), ``memory_method``, ``amp`` and ``compile``.
 
     ``amp``: 'none', 'bf16' or 'fp16' (forward and loss under
     ``torch.autocast``; fp16 adds a ``torch.amp.GradScaler``). ``compile``:
     'none', 'default' or 'reduce-overhead' (``torch.compile(model, mode=...)``;
     resets torch._dynamo first so that every run compiles afresh).
-    ``cuda_graph`` refuses ``compile`` and ``amp='fp16'`` (ValueError)."""
+    ``compile_rng``: 'inductor' (compiled dropout draws from inductor's own
+    random streams, so a seed gives other masks than eager) or 'eager'
+    (``torch._inductor.config.fallback_random``: eager's masks, to compare
+    compiled training with eager's run by run). ``cuda_graph`` refuses ``compile`` and ``amp='fp16'`` (ValueError)."""
     amp, compile = _check_options(amp, compile, cuda_graph)
+    if compile_rng not in ('inductor', 'eager'):
+        raise ValueError(f"compile_rng must be 'inductor' or 'eager', got "
+                         f'{compile_rng!r}')
+    if compile != 'none' and compile_rng == 'eager':
+        import torch._inductor.config as inductor_config
+        with inductor_config.patch(fallback_random=True):
+            return train(data, layer, epochs, lr, weight_decay, hidden,
+                         heads, dropout, device, seed, log_every, cuda_graph,
+                         measure_memory, log, amp, compile, family)
     device = torch.device(device or ('cuda' if torch.cuda.is_available()
                                      else 'cpu'))
     num_classes = int(data.y.max()) + 1
@@ -291,7 +304,7 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
     warmup_epochs = min(epochs, warmup + 1 if use_graph else
                         3 if compile != 'none' else 1)
 
-    best_val, test_acc, best_epoch, times = -1.0, 0.0, 0, []
+    best_val, test_acc, best_epoch, times, losses = -1.0, 0.0, 0, [], []
     warmup_s = 0.0
     for epoch in range(1, epochs + 1):
         model.train()
@@ -320,6 +333,7 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
         _sync(device)
         times.append(time.perf_counter() - t0)
 
+        losses.append(float(loss.detach()))
         mark_step()
         train_acc, val_acc, tmp_test = _accuracy(net, data, graph, amp)
         if epoch <= warmup_epochs:
@@ -328,7 +342,7 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
         if val_acc > best_val:
             best_val, test_acc, best_epoch = val_acc, tmp_test, epoch
         if log_every and (epoch % log_every == 0 or epoch == epochs):
-            log(f'[{layer}] epoch {epoch:3d}  loss {float(loss.detach()):.4f}  '
+            log(f'[{layer}] epoch {epoch:3d}  loss {losses[-1]:.4f}  '
                 f'train {train_acc:.3f}  val {val_acc:.3f}  test {tmp_test:.3f}'
                 f'  step {1e3 * times[-1]:.1f} ms')
 
@@ -347,7 +361,8 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
     return {
         'layer': layer, 'test_acc': test_acc, 'final_test_acc': tmp_test,
         'best_val_acc': best_val, 'best_epoch': best_epoch,
-        'epoch_times': times, 'warmup_epochs': warmup_epochs,
+        'epoch_times': times, 'losses': losses,
+        'warmup_epochs': warmup_epochs,
         'warmup_s': warmup_s,
         'median_epoch_ms': 1e3 * statistics.median(steady),
         'peak_memory': peak, 'memory_method': method, 'amp': amp,
@@ -434,6 +449,11 @@ def main(argv=None):
     p.add_argument('--compile', default='none', choices=list(COMPILE_MODES),
                    help='torch.compile(model, mode=...) ("default": inductor '
                    'default mode; reduce-overhead adds CUDA graphs on CUDA)')
+    p.add_argument('--compile-rng', default='inductor',
+                   choices=['inductor', 'eager'],
+                   help="with --compile: dropout from inductor's random "
+                   "streams, or eager's (fallback_random: the same masks as "
+                   "an eager run of the same seed)")
     p.add_argument('--no-memory', action='store_true',
                    help='skip the CPU memory measurement')
     args = p.parse_args(argv)
@@ -461,7 +481,8 @@ def main(argv=None):
         f'{args.amp} (autocast {AMP_DTYPES[args.amp]}' + \
         (', GradScaler)' if args.amp == 'fp16' else ')')
     print(f'settings: model {args.model}, layer {args.layer}, amp {amp}, '
-          f'compile {args.compile}, '
+          f'compile {args.compile}'
+          f'{f" (rng {args.compile_rng})" if args.compile != "none" else ""}, '
           f'cuda-graph {"on" if args.cuda_graph else "off"}, epochs '
           f'{args.epochs}, runs {args.runs}')
 
@@ -473,7 +494,8 @@ def main(argv=None):
                       seed=args.seed + i, log_every=args.log_every,
                       cuda_graph=args.cuda_graph,
                       measure_memory=not args.no_memory, amp=args.amp,
-                      compile=args.compile, family=args.model)
+                      compile=args.compile, family=args.model,
+                      compile_rng=args.compile_rng)
             results[layer].append(r)
             print(f'[{layer}] run {i + 1}: test accuracy {r["test_acc"]:.4f}'
                   f' (best val {r["best_val_acc"]:.4f} at epoch '
