@@ -75,6 +75,12 @@ namespace pyg_fastattn {
 constexpr int64_t kSplitEdges = 4096;
 constexpr int64_t kSplitChunk = 2048;
 
+// CUDA edge_softmax one-pass path: score elements a lane holds in registers
+// in the forward (the backward half as many of each of out and grad_out;
+// double half as many again). Rows whose span fits the lanes of their group
+// (at most a warp) are read once and written once.
+constexpr int kSoftmaxLaneElems = 16;
+
 struct SplitPlan {
   int64_t split;  // rows with more edges than this are split (>= chunk)
   int64_t chunk;  // edges per chunk

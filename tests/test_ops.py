@@ -78,6 +78,31 @@ def test_edge_softmax(backend, device, graph, heads, idx, dtype):
 
 
 @pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16, torch.float32,
+                                   torch.float64])
+@pytest.mark.parametrize('heads', [1, 2, 3, 16, 64])
+@pytest.mark.parametrize('offset', [0, 1])
+def test_edge_softmax_heads_dtypes(device, dtype, heads, offset):
+    """Native kernels: rows of every start alignment (degrees 0..40, one of
+    300), heads 1..64, 16- and 64-bit floats, scores starting one element
+    past a 16-byte boundary (offset = 1). On CUDA these take the one-pass
+    vector path, the multi-pass path (odd heads, offset input, long rows) and
+    the block-cooperative one."""
+    if not _build.load().native:
+        pytest.skip(f'native kernels unavailable: {_build.load().error}')
+    g = torch.Generator().manual_seed(heads)
+    deg = torch.randint(0, 41, (200, ), generator=g)
+    deg[::17] = 0
+    deg[5], deg[6] = 300, 1
+    rowptr, _ = csr_from_degrees(deg, 1, device=device)
+    E = int(deg.sum())
+    base = (torch.randn(E * heads + offset, generator=g) * 3).to(device, dtype)
+    s = base[offset:].view(E, heads).detach().requires_grad_()
+    _check(lambda s: ops.edge_softmax(s, rowptr),
+           lambda s: R.edge_softmax(rowptr, s), [s], dtype)
+
+
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('graph', GRAPHS)
 @pytest.mark.parametrize('heads,C', HC)
 @pytest.mark.parametrize('idx', IDX)

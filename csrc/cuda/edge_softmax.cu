@@ -32,6 +32,8 @@ struct SoftmaxArgs {
   int hs_log;          // HS = 2^hs_log head slots per group
   SplitArgs sp;        // split path (utils.cuh): rows over sp.split edges
   acc_t<scalar_t>* part;  // [2 * nwin, H, 2] per window slot: (max, sum) / (d, -)
+  bool onepass;        // one-pass path allowed (power-of-two H <= 32 * V,
+                       // 16-byte aligned x / g / out)
 };
 
 template <typename scalar_t, typename index_t>
@@ -40,6 +42,199 @@ __device__ __forceinline__ int64_t row_elems(
   int64_t s, t;
   row_range(a.rowptr, i, a.E, s, t);
   return (t - s) * a.H;
+}
+
+// One-pass path: V = 16-byte vector width, K vectors per lane
+// (kSoftmaxLaneElems elements; half as many for double, whose accumulators
+// take two registers each).
+template <bool kBwd, typename scalar_t> constexpr int onepass_v() {
+  return vec_width<scalar_t>();
+}
+template <bool kBwd, typename scalar_t> constexpr int onepass_k() {
+  constexpr int elems = (kBwd ? kSoftmaxLaneElems / 2 : kSoftmaxLaneElems) /
+                        (sizeof(scalar_t) == 8 ? 2 : 1);
+  constexpr int n = elems / onepass_v<kBwd, scalar_t>();
+  return n < 1 ? 1 : n;
+}
+
+// Vector slots (V-element, 16-byte aligned) that row i's flat span
+// [start * H, end * H) touches.
+template <bool kBwd, typename scalar_t, typename index_t>
+__device__ __forceinline__ int64_t row_slots(
+    const SoftmaxArgs<scalar_t, index_t>& a, int64_t i) {
+  constexpr int V = onepass_v<kBwd, scalar_t>();
+  int64_t s, t;
+  row_range(a.rowptr, i, a.E, s, t);
+  if (s == t) return 0;
+  return (t * a.H + V - 1) / V - (s * a.H) / V;
+}
+
+// Row i takes the one-pass path with groups of 2^gs_log lanes: it is not
+// split and its span fits K slots per lane.
+template <bool kBwd, typename scalar_t, typename index_t>
+__device__ __forceinline__ bool onepass_fits(
+    const SoftmaxArgs<scalar_t, index_t>& a, int64_t i, int gs_log) {
+  if (!a.onepass) return false;
+  int64_t s, t;
+  row_range(a.rowptr, i, a.E, s, t);
+  return t - s <= a.sp.split &&
+         row_slots<kBwd>(a, i) <=
+             (static_cast<int64_t>(onepass_k<kBwd, scalar_t>()) << gs_log);
+}
+
+// Combines v[t] over the positions t of one vector that share a head
+// (t equal mod H; H a power of two): butterfly over bits [log2 H, log2 V).
+// Every position ends with its head's total.
+template <int V, typename A, typename Op>
+__device__ __forceinline__ void fold_positions(A (&v)[V], int H, const Op& op) {
+#pragma unroll
+  for (int o = 1; o < V; o <<= 1) {
+    if (o >= H) {
+#pragma unroll
+      for (int t = 0; t < V; ++t) {
+        if ((t & o) == 0) {
+          const A r = op(v[t], v[t | o]);
+          v[t] = r;
+          v[t | o] = r;
+        }
+      }
+    }
+  }
+}
+
+template <typename A>
+__device__ __forceinline__ A max_nan_skip(A x, A y) {
+  return y > x ? y : x;  // a NaN y never replaces x (the sum carries it)
+}
+
+// One-pass row: a group of GS = 2^gs_log lanes (gl = lane in group, gmask)
+// holds row `row`'s flat span [b, e) = [start * H, end * H) in registers.
+// Lane gl owns the V-element vector slots j = vb + gl + GS * k (k < K,
+// vb = b / V): a slot inside [b, e) is one 16-byte load / store, the partial
+// first / last slot goes element by element. With GS * V a multiple of H,
+// element t of every slot of lane gl has head ((vb + gl) * V + t) % H, so
+// per-head statistics are folded over t in the lane (fold_positions), then
+// over the lanes gl ^ o, o = P, 2P, .., GS / 2 (P = max(1, H / V)): every
+// lane ends with the totals of its own heads. Forward: max, then
+// sum of exp(x - max) (kept in registers), then out = exp * (1 / sum);
+// backward: d = sum out * grad_out, then out * (grad_out - d). The caller
+// checks onepass_fits(); the condition is uniform over the group.
+template <bool kBwd, typename scalar_t, typename index_t>
+__device__ __forceinline__ void onepass_row(
+    const SoftmaxArgs<scalar_t, index_t>& a, int64_t row, int gl, int gs_log,
+    unsigned gmask) {
+  using A = acc_t<scalar_t>;
+  constexpr int V = onepass_v<kBwd, scalar_t>();
+  constexpr int K = onepass_k<kBwd, scalar_t>();
+  int64_t start, end;
+  row_range(a.rowptr, row, a.E, start, end);
+  if (start == end) return;
+  const int H = a.H;
+  const int GS = 1 << gs_log;
+  const int P = H > V ? H / V : 1;
+  const int64_t b = start * H, e = end * H;
+  const int64_t vb = b / V;
+  A x[K][V];
+  A y[kBwd ? K : 1][V];  // grad_out (backward only)
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t p = (vb + gl + static_cast<int64_t>(GS) * k) * V;
+    if (p >= b && p + V <= e) {
+      const Vec<scalar_t, V> vx = load_vec<scalar_t, V>(a.x + p);
+#pragma unroll
+      for (int t = 0; t < V; ++t) x[k][t] = vec_get(vx, t);
+      if constexpr (kBwd) {
+        const Vec<scalar_t, V> vg = load_vec<scalar_t, V>(a.g + p);
+#pragma unroll
+        for (int t = 0; t < V; ++t) y[k][t] = vec_get(vg, t);
+      }
+    } else {
+#pragma unroll
+      for (int t = 0; t < V; ++t) {
+        const int64_t q = p + t;
+        const bool ok = q >= b && q < e;
+        x[k][t] = ok ? to_acc(a.x[q]) : (kBwd ? A(0) : neg_inf<A>());
+        if constexpr (kBwd) y[k][t] = ok ? to_acc(a.g[q]) : A(0);
+      }
+    }
+  }
+  if constexpr (!kBwd) {
+    A m[V], s[V], inv[V];
+#pragma unroll
+    for (int t = 0; t < V; ++t) {
+      m[t] = neg_inf<A>();
+#pragma unroll
+      for (int k = 0; k < K; ++k) m[t] = max_nan_skip(m[t], x[k][t]);
+    }
+    fold_positions<V>(m, H, [](A u, A w) { return max_nan_skip(u, w); });
+    for (int o = P; o < GS; o <<= 1) {
+#pragma unroll
+      for (int t = 0; t < V; ++t)
+        m[t] = max_nan_skip(m[t], __shfl_xor_sync(gmask, m[t], o));
+    }
+    // exp(x - m) in place; -inf entries (and the slots' padding) give 0,
+    // also when m is -inf; a NaN entry makes the sum NaN.
+#pragma unroll
+    for (int t = 0; t < V; ++t) {
+      s[t] = A(0);
+#pragma unroll
+      for (int k = 0; k < K; ++k) {
+        x[k][t] = x[k][t] == neg_inf<A>() ? A(0) : pfa_exp(x[k][t] - m[t]);
+        s[t] += x[k][t];
+      }
+    }
+    fold_positions<V>(s, H, [](A u, A w) { return u + w; });
+    for (int o = P; o < GS; o <<= 1) {
+#pragma unroll
+      for (int t = 0; t < V; ++t) s[t] += __shfl_xor_sync(gmask, s[t], o);
+    }
+#pragma unroll
+    for (int t = 0; t < V; ++t) {
+      online_finish(m[t], s[t]);
+      inv[t] = fast_recip(s[t]);
+    }
+    // out: as softmax_weight (rows with m == -inf give s: 0 or NaN).
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+#pragma unroll
+      for (int t = 0; t < V; ++t)
+        x[k][t] = m[t] == neg_inf<A>() ? s[t] : x[k][t] * inv[t];
+    }
+  } else {
+    A d[V];
+#pragma unroll
+    for (int t = 0; t < V; ++t) {
+      d[t] = A(0);
+#pragma unroll
+      for (int k = 0; k < K; ++k) d[t] += x[k][t] * y[k][t];
+    }
+    fold_positions<V>(d, H, [](A u, A w) { return u + w; });
+    for (int o = P; o < GS; o <<= 1) {
+#pragma unroll
+      for (int t = 0; t < V; ++t) d[t] += __shfl_xor_sync(gmask, d[t], o);
+    }
+#pragma unroll
+    for (int k = 0; k < K; ++k) {
+#pragma unroll
+      for (int t = 0; t < V; ++t) x[k][t] = x[k][t] * (y[k][t] - d[t]);
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < K; ++k) {
+    const int64_t p = (vb + gl + static_cast<int64_t>(GS) * k) * V;
+    if (p >= b && p + V <= e) {
+      Vec<scalar_t, V> vo;
+#pragma unroll
+      for (int t = 0; t < V; ++t) vec_set(vo, t, x[k][t]);
+      store_vec<scalar_t, V>(a.out + p, vo);
+    } else {
+#pragma unroll
+      for (int t = 0; t < V; ++t) {
+        const int64_t q = p + t;
+        if (q >= b && q < e) a.out[q] = from_acc<scalar_t>(x[k][t]);
+      }
+    }
+  }
 }
 
 // One row handled by a group of GS = 2^gs_log lanes (gl = lane in group,
@@ -150,8 +345,11 @@ __device__ __forceinline__ void softmax_row(
 
 // Rows are handed out R = 32 / GS per warp, GS lanes per row (GS chosen on
 // the host from the average row size, GS >= HS). If any of the warp's rows
-// has more than long_row_elems() elements the warp instead walks its R rows
-// one after the other with all 32 lanes. Rows with more than kCoopRow
+// has more than long_row_elems() elements, or (one-pass path on) an unsplit
+// row does not fit its group's registers, the warp instead walks its R rows
+// one after the other with all 32 lanes. A row that fits the lanes that take
+// it (onepass_fits) goes through onepass_row (read once, written once), any
+// other through softmax_row (multi-pass). Rows with more than kCoopRow
 // elements are processed first, one after the other, by all 8 warps of the
 // block (entries interleaved over the warps, statistics merged in shared
 // memory in a fixed order). Rows over the split threshold are skipped (left
@@ -184,15 +382,23 @@ __global__ void __launch_bounds__(kBlock, softmax_min_blocks<scalar_t>())
   bool long_row = false, coop_any = false;
   if (warp_valid) {
     int64_t len = 0;
-    if (i < a.N && gl == 0) len = row_elems(a, i);
-    long_row = __any_sync(kFullMask, len > long_row_elems<kBwd, scalar_t>());
+    bool spill = false;  // unsplit, too big for the group's one-pass registers
+    if (i < a.N && gl == 0) {
+      int64_t rs, re;
+      row_range(a.rowptr, i, a.E, rs, re);
+      len = (re - rs) * a.H;
+      spill = a.onepass && gs_log < 5 && re > rs && re - rs <= a.sp.split &&
+              !onepass_fits<kBwd>(a, i, gs_log);
+    }
+    long_row = __any_sync(kFullMask,
+                          len > long_row_elems<kBwd, scalar_t>() || spill);
     coop_any = __any_sync(kFullMask, len > kCoopRow);
   }
   if (lane == 0) s_coop[wib] = coop_any ? row0 : -1;
   __syncthreads();
   // Work list: first the block's coop rows (all warps, rank = wib), then
   // this warp's own rows (its group's row, or all R rows if long_row),
-  // skipping coop rows. One call site of softmax_row.
+  // skipping coop rows. One call site each of onepass_row / softmax_row.
   const unsigned gmask =
       R == 1 ? kFullMask : (((1u << (1 << gs_log)) - 1u) << (grp << gs_log));
   const int n_own = warp_valid ? (long_row ? R : 1) : 0;
@@ -221,10 +427,14 @@ __global__ void __launch_bounds__(kBlock, softmax_min_blocks<scalar_t>())
       ++own;
       if (row >= a.N || (coop_any && row_elems(a, row) > kCoopRow)) continue;
     }
-    softmax_row<kBwd>(a, row, (coop || long_row) ? lane : gl,
-                      (coop || long_row) ? 5 : gs_log,
-                      (coop || long_row) ? kFullMask : gmask,
-                      coop ? wib : 0, coop ? kWarpsPerBlock : 1, s_a, s_b);
+    const bool full = coop || long_row;
+    if (!coop && onepass_fits<kBwd>(a, row, full ? 5 : gs_log))
+      onepass_row<kBwd>(a, row, full ? lane : gl, full ? 5 : gs_log,
+                        full ? kFullMask : gmask);
+    else
+      softmax_row<kBwd>(a, row, full ? lane : gl, full ? 5 : gs_log,
+                        full ? kFullMask : gmask, coop ? wib : 0,
+                        coop ? kWarpsPerBlock : 1, s_a, s_b);
   }
   zero_from(tail, a.E, a.H, a.out);
 }
@@ -382,10 +592,19 @@ at::Tensor launch_edge_softmax(const at::Tensor& rowptr_in,
   const int64_t avg = N > 0 ? ceil_div(E * H, N) : 1;
   auto stream = at::cuda::getCurrentCUDAStream();
   PFA_DISPATCH_FLOATS(x.scalar_type(), "edge_softmax_cuda", [&] {
+    // One-pass path: H a power of two with GS * V a multiple of H (GS >= HS
+    // gives that for H <= 32 * V), all three tensors 16-byte aligned.
+    constexpr int V = onepass_v<kBwd, scalar_t>();
+    constexpr int K = onepass_k<kBwd, scalar_t>();
+    const bool onepass = (H & (H - 1)) == 0 && H <= 32 * V &&
+                         aligned16(x.data_ptr()) && aligned16(out.data_ptr()) &&
+                         (!kBwd || aligned16(g.data_ptr()));
     // Group size: an average row fills about one batch of pass-1 loads
-    // (unroll() per lane), at least HS lanes.
-    int GS = next_pow2(std::max<int64_t>(
-        1, ceil_div(avg, unroll<kBwd, scalar_t>())));
+    // (unroll() per lane) or, one-pass, its vector slots (one more for a
+    // misaligned start) fill the group's K slots per lane; at least HS lanes.
+    const int64_t per_lane = onepass ? K : unroll<kBwd, scalar_t>();
+    const int64_t need = onepass ? ceil_div(avg, V) + 1 : avg;
+    int GS = next_pow2(std::max<int64_t>(1, ceil_div(need, per_lane)));
     GS = std::min(32, std::max(GS, HS));
     const int gs_log = log2_pow2(GS);
     const int64_t warps = ceil_div(N, kWarp / GS);
@@ -400,6 +619,7 @@ at::Tensor launch_edge_softmax(const at::Tensor& rowptr_in,
       a.E = E;
       a.H = static_cast<int>(H);
       a.hs_log = log2_pow2(HS);
+      a.onepass = onepass;
       at::Tensor win, part;
       a.sp = make_split(a.rowptr, N, E, x.options(), win);
       a.part = nullptr;
