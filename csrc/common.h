@@ -195,6 +195,9 @@ constexpr int64_t kGraphIndexLimit = 2147483647;  // 2^31 - 1
 // kernels (grid-stride loops beyond that).
 constexpr int kGraphBlock = 256;
 constexpr int64_t kGraphMaxBlocks = 8192;
+// CUDA: positions per thread of the tiled kernels (a block's tile holds
+// kGraphBlock * kGraphItems consecutive positions).
+constexpr int kGraphItems = 8;
 
 void check_csr_build(const at::Tensor& src, const at::Tensor& dst,
                      int64_t num_src, int64_t num_dst, bool add_self_loops);

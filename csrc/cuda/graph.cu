@@ -1,15 +1,16 @@
 // csr_build / csc_build (CUDA): graph preparation in a few fused kernels and
 // one radix sort over the needed key bits; no host synchronization.
 //
-// Unsorted CSR:  keys kernel -> cub radix sort (key, augmented position) ->
-//                pointer search -> gather kernel.
+// Unsorted CSR:  keys kernel -> cub radix sort (key, source << 32 |
+//                augmented position) -> pointer search -> split kernel.
 // Sorted CSR:    keep flags -> cub exclusive scan -> pointer kernel ->
 //                scatter kernel (no sort).
-// CSC:           keys kernel -> cub radix sort -> pointer search -> finish
-//                kernel.
-// Keys are uint32 and positions int32 (check_*_build bounds the sizes); cub's
-// radix sort is stable, so equal keys keep position order as torch's stable
-// sort does.
+// CSC:           tiled keys kernel -> cub radix sort (column, row << 32 | CSR
+//                position) -> pointer search -> finish kernel.
+// Keys are uint32, positions and indices fit 31 bits (check_*_build bounds
+// the sizes), so a uint64 value carries an index with its position through
+// the sort and no kernel gathers at random. cub's radix sort is stable, so
+// equal keys keep position order as torch's stable sort does.
 #include <cub/cub.cuh>
 
 #include <tuple>
@@ -28,6 +29,20 @@ using Outputs5 =
 inline unsigned graph_blocks(int64_t n) {
   return static_cast<unsigned>(
       std::min<int64_t>(ceil_div(n, kGraphBlock), kGraphMaxBlocks));
+}
+
+// Consecutive positions a block of a tiled kernel takes at a time.
+constexpr int64_t kGraphTile = int64_t(kGraphBlock) * kGraphItems;
+
+// Blocks of a tiled launch over n positions (n > 0).
+inline unsigned graph_tile_blocks(int64_t n) {
+  return static_cast<unsigned>(
+      std::min<int64_t>(ceil_div(n, kGraphTile), kGraphMaxBlocks));
+}
+
+// (hi << 32) | lo for hi, lo in [0, 2^32).
+__device__ __forceinline__ uint64_t pack(uint32_t hi, uint32_t lo) {
+  return (static_cast<uint64_t>(hi) << 32) | lo;
 }
 
 #define PFA_GRID_STRIDE(i, n)                                            \
@@ -88,44 +103,44 @@ __global__ void ptr_kernel(const K* __restrict__ keys, int64_t stride,
 
 // Unsorted CSR. One thread per augmented edge i in [0, E + L)
 // (grid-stride): its sort key (destination; num_dst for a removed
-// self-loop; d for the added loop (d, d)), its position, and removed /
-// fill_index.
+// self-loop; d for the added loop (d, d)), its value (source as int32, the
+// col it gets) << 32 | i, and removed / fill_index.
 template <typename index_t>
 __global__ void csr_keys_kernel(const index_t* __restrict__ src, int64_t ss,
                                 const index_t* __restrict__ dst, int64_t ds,
                                 int64_t E, int64_t L, int64_t num_dst,
                                 uint32_t* __restrict__ key,
-                                int32_t* __restrict__ val,
+                                uint64_t* __restrict__ val,
                                 bool* __restrict__ removed,
                                 int64_t* __restrict__ fill) {
   PFA_GRID_STRIDE(i, E + L) {
+    int64_t c;
     if (i < E) {
       const int64_t s = src[i * ss], d = dst[i * ds];
       const bool loop = L > 0 && s == d;
       key[i] = static_cast<uint32_t>(loop ? num_dst : clamp_to(d, 0, num_dst));
       removed[i] = loop;
       if (L > 0) fill[i] = (loop || d >= L) ? L : d;
+      c = s;
     } else {
-      key[i] = static_cast<uint32_t>(i - E);
+      c = i - E;
+      key[i] = static_cast<uint32_t>(c);
       removed[i] = false;
     }
-    val[i] = static_cast<int32_t>(i);
+    val[i] = pack(static_cast<uint32_t>(static_cast<int32_t>(c)),
+                  static_cast<uint32_t>(i));
   }
 }
 
-// Unsorted CSR. One thread per CSR position p (grid-stride): the augmented
-// edge v sorted there gives perm[p] = v and col[p] = its source.
-template <typename index_t>
-__global__ void csr_gather_kernel(const int32_t* __restrict__ val,
-                                  const index_t* __restrict__ src, int64_t ss,
-                                  int64_t E, int64_t n,
-                                  int64_t* __restrict__ perm,
-                                  int32_t* __restrict__ col) {
+// Unsorted CSR. One thread per CSR position p (grid-stride): the value
+// sorted there gives perm[p] (low half) and col[p] (high half).
+__global__ void csr_split_kernel(const uint64_t* __restrict__ val, int64_t n,
+                                 int64_t* __restrict__ perm,
+                                 int32_t* __restrict__ col) {
   PFA_GRID_STRIDE(p, n) {
-    const int64_t v = val[p];
-    perm[p] = v;
-    col[p] = static_cast<int32_t>(v < E ? static_cast<int64_t>(src[v * ss])
-                                        : v - E);
+    const uint64_t v = val[p];
+    perm[p] = static_cast<int64_t>(v & 0xffffffffu);
+    col[p] = static_cast<int32_t>(static_cast<uint32_t>(v >> 32));
   }
 }
 
@@ -213,55 +228,75 @@ __global__ void csr_scatter_kernel(const index_t* __restrict__ src, int64_t ss,
   }
 }
 
-// CSC. One thread per CSR position e (grid-stride): key = its column
-// (num_cols from rowptr[N] on), val = e, and its row by binary search in
-// rowptr (neighbouring threads take the same path).
+// CSC. One block per tile of kGraphTile consecutive CSR positions
+// (block-stride over tiles): two threads find the rows of the tile's first
+// and last positions by binary search in rowptr, then each thread takes the
+// positions t0 + tid + j * kGraphBlock and searches its row among the
+// tile's rows only (few levels, cached). key = column (num_cols from
+// rowptr[N] on), val = row << 32 | position.
 template <typename index_t>
-__global__ void csc_keys_kernel(const index_t* __restrict__ rowptr, int64_t N,
-                                const index_t* __restrict__ col, int64_t E,
-                                int64_t num_cols, uint32_t* __restrict__ key,
-                                int32_t* __restrict__ val,
-                                int32_t* __restrict__ row_of) {
+__global__ void __launch_bounds__(kGraphBlock)
+    csc_keys_kernel(const index_t* __restrict__ rowptr, int64_t N,
+                    const index_t* __restrict__ col, int64_t E,
+                    int64_t num_cols, uint32_t* __restrict__ key,
+                    uint64_t* __restrict__ val) {
+  __shared__ int64_t rows[2];
   const int64_t tail = tail_begin(rowptr, N, E);
-  PFA_GRID_STRIDE(e, E) {
-    key[e] = static_cast<uint32_t>(
-        e < tail ? clamp_to(static_cast<int64_t>(col[e]), 0, num_cols)
-                 : num_cols);
-    val[e] = static_cast<int32_t>(e);
-    row_of[e] = static_cast<int32_t>(upper_bound(rowptr + 1, N, e));
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kGraphTile;
+  for (int64_t t0 = static_cast<int64_t>(blockIdx.x) * kGraphTile; t0 < E;
+       t0 += step) {  // uniform over the block
+    const int64_t t1 = t0 + kGraphTile < E ? t0 + kGraphTile : E;
+    if (threadIdx.x < 2)
+      rows[threadIdx.x] =
+          upper_bound(rowptr + 1, N, threadIdx.x == 0 ? t0 : t1 - 1);
+    __syncthreads();
+    // Rows of [t0, t1) lie in [lo, hi] when rowptr is non-decreasing (and
+    // stay in [0, N] when it is not).
+    const int64_t lo = rows[0], hi = rows[1] > lo ? rows[1] : lo;
+    for (int64_t e = t0 + threadIdx.x; e < t1; e += kGraphBlock) {
+      const int64_t r = lo + upper_bound(rowptr + 1 + lo, hi - lo, e);
+      key[e] = static_cast<uint32_t>(
+          e < tail ? clamp_to(static_cast<int64_t>(col[e]), 0, num_cols)
+                   : num_cols);
+      val[e] = pack(static_cast<uint32_t>(r), static_cast<uint32_t>(e));
+    }
+    __syncthreads();  // rows[] is rewritten for the next tile
   }
 }
 
-// CSC. One thread per CSC position k (grid-stride): the CSR position e
-// sorted there gives perm[k] = e, inv[e] = k, row[k] = e's row.
+// CSC. One thread per CSC position k (grid-stride): the value sorted there
+// (row << 32 | CSR position e) gives perm[k] = e, row[k] and inv[e] = k
+// (the one random access, a write).
 template <typename index_t>
-__global__ void csc_finish_kernel(const int32_t* __restrict__ val,
-                                  const int32_t* __restrict__ row_of,
+__global__ void csc_finish_kernel(const uint64_t* __restrict__ val,
                                   int64_t E, index_t* __restrict__ perm,
                                   index_t* __restrict__ inv,
                                   index_t* __restrict__ row) {
   PFA_GRID_STRIDE(k, E) {
-    const int32_t e = val[k];
+    const uint64_t v = val[k];
+    const int64_t e = static_cast<int64_t>(v & 0xffffffffu);
     perm[k] = static_cast<index_t>(e);
+    row[k] = static_cast<index_t>(v >> 32);
     inv[e] = static_cast<index_t>(k);
-    row[k] = static_cast<index_t>(row_of[e]);
   }
 }
 
-// Stable sort of n (key, value) pairs by key bits [0, end_bit); temp storage
-// from the caching allocator on the current stream.
-void sort_pairs(const uint32_t* k_in, uint32_t* k_out, const int32_t* v_in,
-                int32_t* v_out, int64_t n, int end_bit,
-                const at::TensorOptions& opt, cudaStream_t stream) {
+// Stable sort of n (key, value) pairs by key bits [0, end_bit), in place
+// in the double buffers (the sorted pairs end in keys.Current() and
+// vals.Current()); temp storage from the caching allocator on the current
+// stream.
+template <typename V>
+void sort_pairs(cub::DoubleBuffer<uint32_t>& keys, cub::DoubleBuffer<V>& vals,
+                int64_t n, int end_bit, const at::TensorOptions& opt,
+                cudaStream_t stream) {
   if (n == 0) return;
   size_t bytes = 0;
   C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-      nullptr, bytes, k_in, k_out, v_in, v_out, static_cast<int>(n), 0,
-      end_bit, stream));
+      nullptr, bytes, keys, vals, static_cast<int>(n), 0, end_bit, stream));
   at::Tensor tmp = at::empty({static_cast<int64_t>(bytes)}, opt.dtype(at::kByte));
   C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-      tmp.data_ptr(), bytes, k_in, k_out, v_in, v_out, static_cast<int>(n), 0,
-      end_bit, stream));
+      tmp.data_ptr(), bytes, keys, vals, static_cast<int>(n), 0, end_bit,
+      stream));
 }
 
 // out[i] = in[0] + ... + in[i - 1] over n items.
@@ -304,24 +339,25 @@ Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
     bool* rm = removed.data_ptr<bool>();
     int64_t* fi = L > 0 ? fill.data_ptr<int64_t>() : nullptr;
     if (!is_sorted) {
-      at::Tensor keys = at::empty({2 * n}, i32), vals = at::empty({2 * n}, i32);
-      uint32_t* k_in = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
-      int32_t* v_in = vals.data_ptr<int32_t>();
+      at::Tensor keys = at::empty({2 * n}, i32);
+      at::Tensor vals = at::empty({2 * n}, opt.dtype(at::kLong));
+      uint32_t* k0 = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
+      uint64_t* v0 = reinterpret_cast<uint64_t*>(vals.data_ptr<int64_t>());
       if (n > 0) {
         csr_keys_kernel<index_t><<<graph_blocks(n), kGraphBlock, 0, stream>>>(
-            s, ss, d, ds, E, L, num_dst, k_in, v_in, rm, fi);
+            s, ss, d, ds, E, L, num_dst, k0, v0, rm, fi);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
-      sort_pairs(k_in, k_in + n, v_in, v_in + n, n, key_bits(num_dst), opt,
-                 stream);
+      cub::DoubleBuffer<uint32_t> kb(k0, k0 + n);
+      cub::DoubleBuffer<uint64_t> vb(v0, v0 + n);
+      sort_pairs(kb, vb, n, key_bits(num_dst), opt, stream);
       ptr_kernel<uint32_t, int32_t>
           <<<graph_blocks(num_dst + 1), kGraphBlock, 0, stream>>>(
-              k_in + n, 1, n, num_dst, rp);
+              kb.Current(), 1, n, num_dst, rp);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (n > 0) {
-        csr_gather_kernel<index_t>
-            <<<graph_blocks(n), kGraphBlock, 0, stream>>>(v_in + n, s, ss, E,
-                                                         n, pm, cl);
+        csr_split_kernel<<<graph_blocks(n), kGraphBlock, 0, stream>>>(
+            vb.Current(), n, pm, cl);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     } else if (L == 0) {
@@ -368,28 +404,29 @@ Outputs4 csc_build_cuda(const at::Tensor& rowptr_, const at::Tensor& col_,
   at::Tensor row = at::empty({E}, opt);
   at::Tensor perm = at::empty({E}, opt);
   at::Tensor inv = at::empty({E}, opt);
-  at::Tensor keys = at::empty({2 * E}, i32), vals = at::empty({2 * E}, i32);
-  at::Tensor row_of = at::empty({E}, i32);
-  uint32_t* k_in = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
-  int32_t* v_in = vals.data_ptr<int32_t>();
+  at::Tensor keys = at::empty({2 * E}, i32);
+  at::Tensor vals = at::empty({2 * E}, opt.dtype(at::kLong));
+  uint32_t* k0 = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
+  uint64_t* v0 = reinterpret_cast<uint64_t*>(vals.data_ptr<int64_t>());
   PFA_DISPATCH_INDEX(rowptr.scalar_type(), "csc_build_cuda", [&] {
     const index_t* rp = rowptr.const_data_ptr<index_t>();
     if (E > 0) {
-      csc_keys_kernel<index_t><<<graph_blocks(E), kGraphBlock, 0, stream>>>(
-          rp, N, col.const_data_ptr<index_t>(), E, num_cols, k_in, v_in,
-          row_of.data_ptr<int32_t>());
+      csc_keys_kernel<index_t>
+          <<<graph_tile_blocks(E), kGraphBlock, 0, stream>>>(
+              rp, N, col.const_data_ptr<index_t>(), E, num_cols, k0, v0);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    sort_pairs(k_in, k_in + E, v_in, v_in + E, E, key_bits(num_cols), opt,
-               stream);
+    cub::DoubleBuffer<uint32_t> kb(k0, k0 + E);
+    cub::DoubleBuffer<uint64_t> vb(v0, v0 + E);
+    sort_pairs(kb, vb, E, key_bits(num_cols), opt, stream);
     ptr_kernel<uint32_t, index_t>
         <<<graph_blocks(num_cols + 1), kGraphBlock, 0, stream>>>(
-            k_in + E, 1, E, num_cols, colptr.data_ptr<index_t>());
+            kb.Current(), 1, E, num_cols, colptr.data_ptr<index_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     if (E > 0) {
       csc_finish_kernel<index_t><<<graph_blocks(E), kGraphBlock, 0, stream>>>(
-          v_in + E, row_of.data_ptr<int32_t>(), E, perm.data_ptr<index_t>(),
-          inv.data_ptr<index_t>(), row.data_ptr<index_t>());
+          vb.Current(), E, perm.data_ptr<index_t>(), inv.data_ptr<index_t>(),
+          row.data_ptr<index_t>());
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
