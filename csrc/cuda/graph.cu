@@ -3,8 +3,9 @@
 //
 // Unsorted CSR:  keys kernel -> cub radix sort (key, source << 32 |
 //                augmented position) -> pointer search -> split kernel.
-// Sorted CSR:    keep flags -> cub exclusive scan -> pointer kernel ->
-//                scatter kernel (no sort).
+// Sorted CSR:    cub exclusive scan of the keep flags (read from the input
+//                on the fly) -> pointer kernel -> scatter kernel (no sort)
+//                -> fix-up kernel (a no-op unless dst decreases somewhere).
 // CSC:           tiled keys kernel -> cub radix sort (column, row << 32 | CSR
 //                position) -> pointer search -> finish kernel.
 // Keys are uint32, positions and indices fit 31 bits (check_*_build bounds
@@ -12,6 +13,8 @@
 // the sort and no kernel gathers at random. cub's radix sort is stable, so
 // equal keys keep position order as torch's stable sort does.
 #include <cub/cub.cuh>
+#include <thrust/iterator/counting_iterator.h>
+#include <thrust/iterator/transform_iterator.h>
 
 #include <tuple>
 
@@ -158,29 +161,20 @@ __global__ void csr_copy_kernel(const index_t* __restrict__ src, int64_t ss,
   }
 }
 
-// Sorted CSR with loops. One thread per i in [0, E + L] (grid-stride):
-// keep[i] = 1 for an input edge that is not a self-loop (0 at i = E, so the
-// exclusive scan of [0, E] ends with the kept total), removed, fill_index.
+// Sorted CSR with loops: keep(i) = 1 for an input edge i < E that is not a
+// self-loop, 0 at i = E (so the exclusive scan of [0, E] ends with the kept
+// total). Read by the scan as it goes (no flags array).
 template <typename index_t>
-__global__ void csr_flags_kernel(const index_t* __restrict__ src, int64_t ss,
-                                 const index_t* __restrict__ dst, int64_t ds,
-                                 int64_t E, int64_t L,
-                                 int32_t* __restrict__ keep,
-                                 bool* __restrict__ removed,
-                                 int64_t* __restrict__ fill) {
-  PFA_GRID_STRIDE(i, E + L + 1) {
-    if (i < E) {
-      const int64_t s = src[i * ss], d = dst[i * ds];
-      const bool loop = s == d;
-      keep[i] = loop ? 0 : 1;
-      removed[i] = loop;
-      fill[i] = (loop || d >= L) ? L : d;
-    } else {
-      if (i == E) keep[i] = 0;
-      if (i < E + L) removed[i] = false;
-    }
+struct KeepFlag {
+  const index_t* src;
+  int64_t ss;
+  const index_t* dst;
+  int64_t ds;
+  int64_t E;
+  __host__ __device__ int32_t operator()(int64_t i) const {
+    return i < E && src[i * ss] != dst[i * ds] ? 1 : 0;
   }
-}
+};
 
 // Sorted CSR with loops. One thread per row pointer d in [0, num_dst]
 // (grid-stride): kept edges before row d (ck at the row's first input edge,
@@ -200,7 +194,9 @@ __global__ void csr_sorted_rowptr_kernel(const index_t* __restrict__ dst,
 // Sorted CSR with loops. One thread per augmented edge i (grid-stride): its
 // CSR position p (row d: kept edges in input order, then loop (d, d);
 // removed self-loops after every row, in input order); perm[p] = i, col[p] =
-// its source. p is clamped, so wrongly declared order stays in range.
+// its source; removed[i], fill_index[i]. Non-decreasing dst (in range or
+// not) makes p a bijection onto [0, E + L); a decrease sets *unsorted (p is
+// clamped, but positions may be missed: csr_fixup_kernel).
 template <typename index_t>
 __global__ void csr_scatter_kernel(const index_t* __restrict__ src, int64_t ss,
                                    const index_t* __restrict__ dst, int64_t ds,
@@ -208,23 +204,47 @@ __global__ void csr_scatter_kernel(const index_t* __restrict__ src, int64_t ss,
                                    const int32_t* __restrict__ ck,
                                    const int32_t* __restrict__ rowptr,
                                    int64_t* __restrict__ perm,
-                                   int32_t* __restrict__ col) {
+                                   int32_t* __restrict__ col,
+                                   bool* __restrict__ removed,
+                                   int64_t* __restrict__ fill,
+                                   int32_t* __restrict__ unsorted) {
   const int64_t n = E + L;
   const int64_t kept = ck[E];
   PFA_GRID_STRIDE(i, n) {
     int64_t p, c;
     if (i < E) {
       const int64_t s = src[i * ss], d = dst[i * ds];
+      const bool loop = s == d;
       const int64_t before = ck[i];  // kept edges before i
-      p = s != d ? before + clamp_to(d, 0, L) : i - before + kept + L;
+      p = loop ? i - before + kept + L : before + clamp_to(d, 0, L);
       c = s;
+      removed[i] = loop;
+      fill[i] = (loop || d >= L) ? L : d;
+      if (i > 0 && static_cast<int64_t>(dst[(i - 1) * ds]) > d) *unsorted = 1;
     } else {
       c = i - E;
       p = static_cast<int64_t>(rowptr[c + 1]) - 1;
+      removed[i] = false;
     }
     p = clamp_to(p, 0, n - 1);
     perm[p] = i;
     col[p] = static_cast<int32_t>(c);
+  }
+}
+
+// Sorted CSR declared but dst decreasing somewhere (*unsorted): one thread
+// per CSR position (grid-stride) clamps perm into [0, n) and col into
+// [0, num_src), so positions the scatter missed hold in-range garbage.
+// Returns at once for sorted input.
+__global__ void csr_fixup_kernel(const int32_t* __restrict__ unsorted,
+                                 int64_t n, int64_t num_src,
+                                 int64_t* __restrict__ perm,
+                                 int32_t* __restrict__ col) {
+  if (*unsorted == 0) return;
+  PFA_GRID_STRIDE(p, n) {
+    perm[p] = clamp_to(perm[p], 0, n - 1);
+    col[p] = static_cast<int32_t>(
+        clamp_to(static_cast<int64_t>(col[p]), 0, num_src - 1));
   }
 }
 
@@ -299,8 +319,9 @@ void sort_pairs(cub::DoubleBuffer<uint32_t>& keys, cub::DoubleBuffer<V>& vals,
       stream));
 }
 
-// out[i] = in[0] + ... + in[i - 1] over n items.
-void exclusive_sum(const int32_t* in, int32_t* out, int64_t n,
+// out[i] = in[0] + ... + in[i - 1] over n items (cub's single-pass scan).
+template <typename InputIt>
+void exclusive_sum(InputIt in, int32_t* out, int64_t n,
                    const at::TensorOptions& opt, cudaStream_t stream) {
   size_t bytes = 0;
   C10_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, bytes, in, out,
@@ -322,11 +343,8 @@ Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
   const auto opt = src.options();
   const auto i32 = opt.dtype(at::kInt);
   at::Tensor rowptr = at::empty({num_dst + 1}, i32);
-  // The sorted scatter may miss positions of wrongly ordered input: zeros.
-  const bool scatter = is_sorted && L > 0;
-  at::Tensor col = scatter ? at::zeros({n}, i32) : at::empty({n}, i32);
-  at::Tensor perm = scatter ? at::zeros({n}, opt.dtype(at::kLong))
-                            : at::empty({n}, opt.dtype(at::kLong));
+  at::Tensor col = at::empty({n}, i32);
+  at::Tensor perm = at::empty({n}, opt.dtype(at::kLong));
   at::Tensor removed = at::empty({n}, opt.dtype(at::kBool));
   at::Tensor fill = at::empty({L > 0 ? E : 0}, opt.dtype(at::kLong));
   PFA_DISPATCH_INDEX(src.scalar_type(), "csr_build_cuda", [&] {
@@ -371,20 +389,25 @@ Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     } else {
-      at::Tensor flags = at::empty({2 * (E + 1)}, i32);
-      int32_t* keep = flags.data_ptr<int32_t>();
-      int32_t* ck = keep + (E + 1);
-      csr_flags_kernel<index_t>
-          <<<graph_blocks(n + 1), kGraphBlock, 0, stream>>>(s, ss, d, ds, E, L,
-                                                           keep, rm, fi);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      exclusive_sum(keep, ck, E + 1, opt, stream);
+      // ck [E + 1] (kept edges before i), then the unsorted flag.
+      at::Tensor work = at::empty({E + 2}, i32);
+      int32_t* ck = work.data_ptr<int32_t>();
+      int32_t* unsorted = ck + (E + 1);
+      C10_CUDA_CHECK(
+          cudaMemsetAsync(unsorted, 0, sizeof(int32_t), stream));
+      exclusive_sum(thrust::make_transform_iterator(
+                        thrust::counting_iterator<int64_t>(0),
+                        KeepFlag<index_t>{s, ss, d, ds, E}),
+                    ck, E + 1, opt, stream);
       csr_sorted_rowptr_kernel<index_t>
           <<<graph_blocks(num_dst + 1), kGraphBlock, 0, stream>>>(
               d, ds, E, num_dst, L, ck, rp);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       csr_scatter_kernel<index_t><<<graph_blocks(n), kGraphBlock, 0, stream>>>(
-          s, ss, d, ds, E, L, ck, rp, pm, cl);
+          s, ss, d, ds, E, L, ck, rp, pm, cl, rm, fi, unsorted);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      csr_fixup_kernel<<<graph_blocks(n), kGraphBlock, 0, stream>>>(
+          unsorted, n, num_src, pm, cl);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
