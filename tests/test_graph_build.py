@@ -47,6 +47,7 @@ def cases():
             'more_src': (70, 30, 250, True),
             'more_dst': (30, 70, 250, True),
             'one_node': (1, 1, 5, True),
+            'sparse_rows': (5000, 5000, 300, True),  # mostly empty rows
             'big': (20000, 20000, 200000, True)}.items():
         _, shuffled = make_edges(ns, nd, E, loops, gen)
         out.append((name, shuffled[0], shuffled[1], ns, nd))

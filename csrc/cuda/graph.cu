@@ -4,8 +4,9 @@
 // Unsorted CSR:  keys kernel -> cub radix sort (key, source << 32 |
 //                augmented position) -> pointer search -> split kernel.
 // Sorted CSR:    cub exclusive scan of the keep flags (read from the input
-//                on the fly) -> pointer kernel -> scatter kernel (no sort)
-//                -> fix-up kernel (a no-op unless dst decreases somewhere).
+//                on the fly) -> scatter kernel (no sort; row starts marked)
+//                -> cub min-scan of the marks -> rowptr / loop kernel ->
+//                fix-up kernel (a no-op unless dst decreases somewhere).
 // CSC:           tiled keys kernel -> cub radix sort (column, row << 32 | CSR
 //                position) -> pointer search -> finish kernel.
 // Keys are uint32, positions and indices fit 31 bits (check_*_build bounds
@@ -16,6 +17,7 @@
 #include <thrust/iterator/counting_iterator.h>
 #include <thrust/iterator/transform_iterator.h>
 
+#include <limits>
 #include <tuple>
 
 #include "utils.cuh"
@@ -176,59 +178,85 @@ struct KeepFlag {
   }
 };
 
-// Sorted CSR with loops. One thread per row pointer d in [0, num_dst]
-// (grid-stride): kept edges before row d (ck at the row's first input edge,
-// found by binary search in dst) plus the loops of rows < d.
-template <typename index_t>
-__global__ void csr_sorted_rowptr_kernel(const index_t* __restrict__ dst,
-                                         int64_t ds, int64_t E,
-                                         int64_t num_dst, int64_t L,
-                                         const int32_t* __restrict__ ck,
-                                         int32_t* __restrict__ rowptr) {
-  PFA_GRID_STRIDE(d, num_dst + 1) {
-    const int64_t first = lower_bound(dst, ds, E, d);
-    rowptr[d] = static_cast<int32_t>(ck[first] + (d < L ? d : L));
-  }
-}
-
-// Sorted CSR with loops. One thread per augmented edge i (grid-stride): its
-// CSR position p (row d: kept edges in input order, then loop (d, d);
-// removed self-loops after every row, in input order); perm[p] = i, col[p] =
-// its source; removed[i], fill_index[i]. Non-decreasing dst (in range or
-// not) makes p a bijection onto [0, E + L); a decrease sets *unsorted (p is
-// clamped, but positions may be missed: csr_fixup_kernel).
+// Sorted CSR with loops. One thread per i in [0, E] (grid-stride). An input
+// edge i < E gets its CSR position p (row d: kept edges in input order, then
+// the loop (d, d); removed self-loops after every row, in input order):
+// perm[p] = i, col[p] = its source; and removed[i], fill_index[i].
+// Non-decreasing dst (in range or not) makes p a bijection onto the
+// non-loop slots of [0, E + L); a decrease sets *unsorted (p is clamped,
+// but positions may be missed: csr_fixup_kernel). Row marks: with
+// h = min(dst[i], num_dst) (num_dst at i = E), if dst[i - 1] < h (or i = 0)
+// and h >= 0, mark[num_dst - h] = ck[i]; the suffix minimum of the marks
+// over rows >= x is then ck[lower_bound(dst, x)] for sorted dst (reversed
+// so that cub scans forward). mark[0] (row num_dst) is always written.
 template <typename index_t>
 __global__ void csr_scatter_kernel(const index_t* __restrict__ src, int64_t ss,
                                    const index_t* __restrict__ dst, int64_t ds,
-                                   int64_t E, int64_t L,
+                                   int64_t E, int64_t L, int64_t num_dst,
                                    const int32_t* __restrict__ ck,
-                                   const int32_t* __restrict__ rowptr,
                                    int64_t* __restrict__ perm,
                                    int32_t* __restrict__ col,
                                    bool* __restrict__ removed,
                                    int64_t* __restrict__ fill,
+                                   int32_t* __restrict__ mark,
                                    int32_t* __restrict__ unsorted) {
   const int64_t n = E + L;
   const int64_t kept = ck[E];
-  PFA_GRID_STRIDE(i, n) {
-    int64_t p, c;
+  PFA_GRID_STRIDE(i, E + 1) {
+    const int64_t before = ck[i];  // kept edges before i
+    const bool first = i == 0;
+    const int64_t prev = first ? 0 : static_cast<int64_t>(dst[(i - 1) * ds]);
+    int64_t h = num_dst;
     if (i < E) {
       const int64_t s = src[i * ss], d = dst[i * ds];
       const bool loop = s == d;
-      const int64_t before = ck[i];  // kept edges before i
-      p = loop ? i - before + kept + L : before + clamp_to(d, 0, L);
-      c = s;
+      const int64_t p = clamp_to(
+          loop ? i - before + kept + L : before + clamp_to(d, 0, L), 0,
+          n - 1);
       removed[i] = loop;
       fill[i] = (loop || d >= L) ? L : d;
-      if (i > 0 && static_cast<int64_t>(dst[(i - 1) * ds]) > d) *unsorted = 1;
-    } else {
-      c = i - E;
-      p = static_cast<int64_t>(rowptr[c + 1]) - 1;
-      removed[i] = false;
+      perm[p] = i;
+      col[p] = static_cast<int32_t>(s);
+      if (!first && prev > d) *unsorted = 1;
+      h = d < num_dst ? d : num_dst;
     }
-    p = clamp_to(p, 0, n - 1);
-    perm[p] = i;
-    col[p] = static_cast<int32_t>(c);
+    if ((first || prev < h) && h >= 0)
+      mark[num_dst - h] = static_cast<int32_t>(before);
+  }
+}
+
+// min(a, b) for cub's scan of the row marks.
+struct MinOp {
+  __host__ __device__ int32_t operator()(int32_t a, int32_t b) const {
+    return b < a ? b : a;
+  }
+};
+
+// Sorted CSR with loops. One thread per row pointer x in [0, num_dst]
+// (grid-stride): rowptr[x] = kept edges before row x (the scanned marks,
+// smin[num_dst - x], clamped into [0, kept]) plus the loops of rows < x;
+// for 1 <= x <= L the loop of row x - 1 takes the row's last slot,
+// rowptr[x] - 1 (clamped), and removed[E + x - 1] = false.
+__global__ void csr_rowptr_loops_kernel(const int32_t* __restrict__ smin,
+                                        const int32_t* __restrict__ ck,
+                                        int64_t E, int64_t L, int64_t num_dst,
+                                        int32_t* __restrict__ rowptr,
+                                        int64_t* __restrict__ perm,
+                                        int32_t* __restrict__ col,
+                                        bool* __restrict__ removed) {
+  const int64_t n = E + L;
+  const int64_t kept = ck[E];
+  PFA_GRID_STRIDE(x, num_dst + 1) {
+    const int64_t r =
+        clamp_to(static_cast<int64_t>(smin[num_dst - x]), 0, kept) +
+        (x < L ? x : L);
+    rowptr[x] = static_cast<int32_t>(r);
+    if (x >= 1 && x <= L) {
+      const int64_t p = clamp_to(r - 1, 0, n - 1);
+      perm[p] = E + x - 1;
+      col[p] = static_cast<int32_t>(x - 1);
+      removed[E + x - 1] = false;
+    }
   }
 }
 
@@ -331,6 +359,17 @@ void exclusive_sum(InputIt in, int32_t* out, int64_t n,
                                                static_cast<int>(n), stream));
 }
 
+// out[i] = min(in[0], ..., in[i]) over n items.
+void inclusive_min(const int32_t* in, int32_t* out, int64_t n,
+                   const at::TensorOptions& opt, cudaStream_t stream) {
+  size_t bytes = 0;
+  C10_CUDA_CHECK(cub::DeviceScan::InclusiveScan(
+      nullptr, bytes, in, out, MinOp(), static_cast<int>(n), stream));
+  at::Tensor tmp = at::empty({static_cast<int64_t>(bytes)}, opt.dtype(at::kByte));
+  C10_CUDA_CHECK(cub::DeviceScan::InclusiveScan(
+      tmp.data_ptr(), bytes, in, out, MinOp(), static_cast<int>(n), stream));
+}
+
 Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
                         int64_t num_src, int64_t num_dst, bool add_self_loops,
                         bool is_sorted) {
@@ -395,16 +434,26 @@ Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
       int32_t* unsorted = ck + (E + 1);
       C10_CUDA_CHECK(
           cudaMemsetAsync(unsorted, 0, sizeof(int32_t), stream));
+      // Row marks (reversed; unmarked rows hold the largest int32), then
+      // their running minimum.
+      at::Tensor marks = at::empty({2 * (num_dst + 1)}, i32);
+      marks.narrow(0, 0, num_dst + 1)
+          .fill_(std::numeric_limits<int32_t>::max());
+      int32_t* mark = marks.data_ptr<int32_t>();
+      int32_t* smin = mark + (num_dst + 1);
       exclusive_sum(thrust::make_transform_iterator(
                         thrust::counting_iterator<int64_t>(0),
                         KeepFlag<index_t>{s, ss, d, ds, E}),
                     ck, E + 1, opt, stream);
-      csr_sorted_rowptr_kernel<index_t>
-          <<<graph_blocks(num_dst + 1), kGraphBlock, 0, stream>>>(
-              d, ds, E, num_dst, L, ck, rp);
+      csr_scatter_kernel<index_t>
+          <<<graph_blocks(E + 1), kGraphBlock, 0, stream>>>(
+              s, ss, d, ds, E, L, num_dst, ck, pm, cl, rm, fi, mark,
+              unsorted);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      csr_scatter_kernel<index_t><<<graph_blocks(n), kGraphBlock, 0, stream>>>(
-          s, ss, d, ds, E, L, ck, rp, pm, cl, rm, fi, unsorted);
+      inclusive_min(mark, smin, num_dst + 1, opt, stream);
+      csr_rowptr_loops_kernel<<<graph_blocks(num_dst + 1), kGraphBlock, 0,
+                                stream>>>(smin, ck, E, L, num_dst, rp, pm, cl,
+                                          rm);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       csr_fixup_kernel<<<graph_blocks(n), kGraphBlock, 0, stream>>>(
           unsorted, n, num_src, pm, cl);
