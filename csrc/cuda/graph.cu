@@ -2,13 +2,16 @@
 // one radix sort over the needed key bits; no host synchronization.
 //
 // Unsorted CSR:  keys kernel -> cub radix sort (key, source << 32 |
-//                augmented position) -> pointer search -> split kernel.
+//                augmented position) -> split kernel (with the pointer at
+//                key boundaries) -> pointer fallback (a no-op unless a run
+//                of empty rows is long).
 // Sorted CSR:    cub exclusive scan of the keep flags (read from the input
 //                on the fly) -> scatter kernel (no sort; row starts marked)
 //                -> cub min-scan of the marks -> rowptr / loop kernel ->
 //                fix-up kernel (a no-op unless dst decreases somewhere).
 // CSC:           tiled keys kernel -> cub radix sort (column, row << 32 | CSR
-//                position) -> pointer search -> finish kernel.
+//                position) -> finish kernel (with the pointer) -> pointer
+//                fallback.
 // Keys are uint32, positions and indices fit 31 bits (check_*_build bounds
 // the sizes), so a uint64 value carries an index with its position through
 // the sort and no kernel gathers at random. cub's radix sort is stable, so
@@ -106,6 +109,39 @@ __global__ void ptr_kernel(const K* __restrict__ keys, int64_t stride,
   }
 }
 
+// Pointer of n > 0 sorted keys (each <= num_rows) at position p: ptr[x] = p
+// for x in (key[p - 1], key[p]] (from x = 0 at p = 0) and, at p = n - 1,
+// ptr[x] = n for x in (key[n - 1], num_rows]. A run longer than
+// kGraphPtrGap sets *fallback instead (ptr_fallback_kernel).
+template <typename out_t>
+__device__ __forceinline__ void ptr_at(const uint32_t* __restrict__ keys,
+                                       int64_t n, int64_t num_rows, int64_t p,
+                                       out_t* __restrict__ ptr,
+                                       int32_t* __restrict__ fallback) {
+  const int64_t k = keys[p];
+  const int64_t a = p == 0 ? 0 : static_cast<int64_t>(keys[p - 1]) + 1;
+  if (k - a >= kGraphPtrGap) *fallback = 1;
+  else for (int64_t x = a; x <= k; ++x) ptr[x] = static_cast<out_t>(p);
+  if (p == n - 1) {
+    if (num_rows - k > kGraphPtrGap) *fallback = 1;
+    else for (int64_t x = k + 1; x <= num_rows; ++x)
+      ptr[x] = static_cast<out_t>(n);
+  }
+}
+
+// One thread per pointer entry d in [0, num_rows] (grid-stride), only when
+// *fallback is set: ptr_kernel's binary search.
+template <typename out_t>
+__global__ void ptr_fallback_kernel(const int32_t* __restrict__ fallback,
+                                    const uint32_t* __restrict__ keys,
+                                    int64_t n, int64_t num_rows,
+                                    out_t* __restrict__ out) {
+  if (*fallback == 0) return;
+  PFA_GRID_STRIDE(d, num_rows + 1) {
+    out[d] = static_cast<out_t>(lower_bound(keys, 1, n, d));
+  }
+}
+
 // Unsorted CSR. One thread per augmented edge i in [0, E + L)
 // (grid-stride): its sort key (destination; num_dst for a removed
 // self-loop; d for the added loop (d, d)), its value (source as int32, the
@@ -138,14 +174,19 @@ __global__ void csr_keys_kernel(const index_t* __restrict__ src, int64_t ss,
 }
 
 // Unsorted CSR. One thread per CSR position p (grid-stride): the value
-// sorted there gives perm[p] (low half) and col[p] (high half).
-__global__ void csr_split_kernel(const uint64_t* __restrict__ val, int64_t n,
-                                 int64_t* __restrict__ perm,
-                                 int32_t* __restrict__ col) {
+// sorted there gives perm[p] (low half) and col[p] (high half); the sorted
+// keys give rowptr entries (ptr_at).
+__global__ void csr_split_kernel(const uint64_t* __restrict__ val,
+                                 const uint32_t* __restrict__ keys, int64_t n,
+                                 int64_t num_dst, int64_t* __restrict__ perm,
+                                 int32_t* __restrict__ col,
+                                 int32_t* __restrict__ rowptr,
+                                 int32_t* __restrict__ fallback) {
   PFA_GRID_STRIDE(p, n) {
     const uint64_t v = val[p];
     perm[p] = static_cast<int64_t>(v & 0xffffffffu);
     col[p] = static_cast<int32_t>(static_cast<uint32_t>(v >> 32));
+    ptr_at(keys, n, num_dst, p, rowptr, fallback);
   }
 }
 
@@ -314,18 +355,24 @@ __global__ void __launch_bounds__(kGraphBlock)
 
 // CSC. One thread per CSC position k (grid-stride): the value sorted there
 // (row << 32 | CSR position e) gives perm[k] = e, row[k] and inv[e] = k
-// (the one random access, a write).
+// (the one random access, a write); the sorted keys give colptr entries
+// (ptr_at).
 template <typename index_t>
 __global__ void csc_finish_kernel(const uint64_t* __restrict__ val,
-                                  int64_t E, index_t* __restrict__ perm,
+                                  const uint32_t* __restrict__ keys,
+                                  int64_t E, int64_t num_cols,
+                                  index_t* __restrict__ perm,
                                   index_t* __restrict__ inv,
-                                  index_t* __restrict__ row) {
+                                  index_t* __restrict__ row,
+                                  index_t* __restrict__ colptr,
+                                  int32_t* __restrict__ fallback) {
   PFA_GRID_STRIDE(k, E) {
     const uint64_t v = val[k];
     const int64_t e = static_cast<int64_t>(v & 0xffffffffu);
     perm[k] = static_cast<index_t>(e);
     row[k] = static_cast<index_t>(v >> 32);
     inv[e] = static_cast<index_t>(k);
+    ptr_at(keys, E, num_cols, k, colptr, fallback);
   }
 }
 
@@ -396,10 +443,14 @@ Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
     bool* rm = removed.data_ptr<bool>();
     int64_t* fi = L > 0 ? fill.data_ptr<int64_t>() : nullptr;
     if (!is_sorted) {
-      at::Tensor keys = at::empty({2 * n}, i32);
+      // Keys (two buffers), then the pointer fallback flag.
+      at::Tensor keys = at::empty({2 * n + 1}, i32);
       at::Tensor vals = at::empty({2 * n}, opt.dtype(at::kLong));
       uint32_t* k0 = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
       uint64_t* v0 = reinterpret_cast<uint64_t*>(vals.data_ptr<int64_t>());
+      int32_t* fallback = keys.data_ptr<int32_t>() + 2 * n;
+      C10_CUDA_CHECK(cudaMemsetAsync(fallback, n > 0 ? 0 : 1,
+                                     sizeof(int32_t), stream));
       if (n > 0) {
         csr_keys_kernel<index_t><<<graph_blocks(n), kGraphBlock, 0, stream>>>(
             s, ss, d, ds, E, L, num_dst, k0, v0, rm, fi);
@@ -408,15 +459,15 @@ Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
       cub::DoubleBuffer<uint32_t> kb(k0, k0 + n);
       cub::DoubleBuffer<uint64_t> vb(v0, v0 + n);
       sort_pairs(kb, vb, n, key_bits(num_dst), opt, stream);
-      ptr_kernel<uint32_t, int32_t>
-          <<<graph_blocks(num_dst + 1), kGraphBlock, 0, stream>>>(
-              kb.Current(), 1, n, num_dst, rp);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (n > 0) {
         csr_split_kernel<<<graph_blocks(n), kGraphBlock, 0, stream>>>(
-            vb.Current(), n, pm, cl);
+            vb.Current(), kb.Current(), n, num_dst, pm, cl, rp, fallback);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
+      ptr_fallback_kernel<int32_t>
+          <<<graph_blocks(num_dst + 1), kGraphBlock, 0, stream>>>(
+              fallback, kb.Current(), n, num_dst, rp);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else if (L == 0) {
       ptr_kernel<index_t, int32_t>
           <<<graph_blocks(num_dst + 1), kGraphBlock, 0, stream>>>(
@@ -476,10 +527,14 @@ Outputs4 csc_build_cuda(const at::Tensor& rowptr_, const at::Tensor& col_,
   at::Tensor row = at::empty({E}, opt);
   at::Tensor perm = at::empty({E}, opt);
   at::Tensor inv = at::empty({E}, opt);
-  at::Tensor keys = at::empty({2 * E}, i32);
+  // Keys (two buffers), then the pointer fallback flag.
+  at::Tensor keys = at::empty({2 * E + 1}, i32);
   at::Tensor vals = at::empty({2 * E}, opt.dtype(at::kLong));
   uint32_t* k0 = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
   uint64_t* v0 = reinterpret_cast<uint64_t*>(vals.data_ptr<int64_t>());
+  int32_t* fallback = keys.data_ptr<int32_t>() + 2 * E;
+  C10_CUDA_CHECK(
+      cudaMemsetAsync(fallback, E > 0 ? 0 : 1, sizeof(int32_t), stream));
   PFA_DISPATCH_INDEX(rowptr.scalar_type(), "csc_build_cuda", [&] {
     const index_t* rp = rowptr.const_data_ptr<index_t>();
     if (E > 0) {
@@ -491,16 +546,17 @@ Outputs4 csc_build_cuda(const at::Tensor& rowptr_, const at::Tensor& col_,
     cub::DoubleBuffer<uint32_t> kb(k0, k0 + E);
     cub::DoubleBuffer<uint64_t> vb(v0, v0 + E);
     sort_pairs(kb, vb, E, key_bits(num_cols), opt, stream);
-    ptr_kernel<uint32_t, index_t>
-        <<<graph_blocks(num_cols + 1), kGraphBlock, 0, stream>>>(
-            kb.Current(), 1, E, num_cols, colptr.data_ptr<index_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    index_t* cp = colptr.data_ptr<index_t>();
     if (E > 0) {
       csc_finish_kernel<index_t><<<graph_blocks(E), kGraphBlock, 0, stream>>>(
-          vb.Current(), E, perm.data_ptr<index_t>(), inv.data_ptr<index_t>(),
-          row.data_ptr<index_t>());
+          vb.Current(), kb.Current(), E, num_cols, perm.data_ptr<index_t>(),
+          inv.data_ptr<index_t>(), row.data_ptr<index_t>(), cp, fallback);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
+    ptr_fallback_kernel<index_t>
+        <<<graph_blocks(num_cols + 1), kGraphBlock, 0, stream>>>(
+            fallback, kb.Current(), E, num_cols, cp);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {colptr, row, perm, inv};
 }
