@@ -201,6 +201,12 @@ constexpr int64_t kGraphIndexLimit = 2147483647;  // 2^31 - 1
 // kernels (grid-stride loops beyond that).
 constexpr int kGraphBlock = 256;
 constexpr int64_t kGraphMaxBlocks = 8192;
+// CUDA: positions per thread of the tiled kernels (a block's tile holds
+// kGraphBlock * kGraphItems consecutive positions).
+constexpr int kGraphItems = 8;
+// CUDA: the sort paths write pointer entries at key boundaries; a run of
+// empty rows longer than this sends the whole pointer to a binary search.
+constexpr int64_t kGraphPtrGap = 64;
 
 void check_csr_build(const at::Tensor& src, const at::Tensor& dst,
                      int64_t num_src, int64_t num_dst, bool add_self_loops);

@@ -47,6 +47,7 @@ def cases():
             'more_src': (70, 30, 250, True),
             'more_dst': (30, 70, 250, True),
             'one_node': (1, 1, 5, True),
+            'sparse_rows': (5000, 5000, 300, True),  # mostly empty rows
             'big': (20000, 20000, 200000, True)}.items():
         _, shuffled = make_edges(ns, nd, E, loops, gen)
         out.append((name, shuffled[0], shuffled[1], ns, nd))
@@ -137,14 +138,19 @@ def test_same_as_torch_path(device, dtype, add_self_loops, order, case):
 
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('dtype', [torch.int32, torch.int64])
-def test_csc_of_any_csr(device, dtype):
+@pytest.mark.parametrize('size', ['small', 'tiles'])
+def test_csc_of_any_csr(device, dtype, size):
     """csc_build on CSRs with empty rows, a tail outside every row and a
-    num_cols beyond the largest column."""
+    num_cols beyond the largest column; 'tiles': many CUDA tiles (2048
+    positions), a long run of empty rows and a row across several tiles."""
     native_or_skip(device)
     gen = torch.Generator().manual_seed(3)
-    N, E, num_cols = 60, 500, 45
+    N, E, num_cols = (60, 500, 45) if size == 'small' else (6000, 70000, 900)
     deg = torch.randint(0, 12, (N, ), generator=gen)
     deg[::4] = 0
+    if size == 'tiles':
+        deg[1000:3000] = 0
+        deg[4000] = 9000
     rowptr = torch.cat([torch.zeros(1, dtype=torch.long), deg.cumsum(0)])
     rowptr = (rowptr * (E - 40) // int(rowptr[-1])).to(device, dtype)
     col = torch.randint(0, num_cols - 5, (E, ), generator=gen)

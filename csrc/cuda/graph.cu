@@ -1,17 +1,26 @@
 // csr_build / csc_build (CUDA): graph preparation in a few fused kernels and
 // one radix sort over the needed key bits; no host synchronization.
 //
-// Unsorted CSR:  keys kernel -> cub radix sort (key, augmented position) ->
-//                pointer search -> gather kernel.
-// Sorted CSR:    keep flags -> cub exclusive scan -> pointer kernel ->
-//                scatter kernel (no sort).
-// CSC:           keys kernel -> cub radix sort -> pointer search -> finish
-//                kernel.
-// Keys are uint32 and positions int32 (check_*_build bounds the sizes); cub's
-// radix sort is stable, so equal keys keep position order as torch's stable
-// sort does.
+// Unsorted CSR:  keys kernel -> cub radix sort (key, source << 32 |
+//                augmented position) -> split kernel (with the pointer at
+//                key boundaries) -> pointer fallback (a no-op unless a run
+//                of empty rows is long).
+// Sorted CSR:    cub exclusive scan of the keep flags (read from the input
+//                on the fly) -> scatter kernel (no sort; row starts marked)
+//                -> cub min-scan of the marks -> rowptr / loop kernel ->
+//                fix-up kernel (a no-op unless dst decreases somewhere).
+// CSC:           tiled keys kernel -> cub radix sort (column, row << 32 | CSR
+//                position) -> finish kernel (with the pointer) -> pointer
+//                fallback.
+// Keys are uint32, positions and indices fit 31 bits (check_*_build bounds
+// the sizes), so a uint64 value carries an index with its position through
+// the sort and no kernel gathers at random. cub's radix sort is stable, so
+// equal keys keep position order as torch's stable sort does.
 #include <cub/cub.cuh>
+#include <thrust/iterator/counting_iterator.h>
+#include <thrust/iterator/transform_iterator.h>
 
+#include <limits>
 #include <tuple>
 
 #include "utils.cuh"
@@ -28,6 +37,20 @@ using Outputs5 =
 inline unsigned graph_blocks(int64_t n) {
   return static_cast<unsigned>(
       std::min<int64_t>(ceil_div(n, kGraphBlock), kGraphMaxBlocks));
+}
+
+// Consecutive positions a block of a tiled kernel takes at a time.
+constexpr int64_t kGraphTile = int64_t(kGraphBlock) * kGraphItems;
+
+// Blocks of a tiled launch over n positions (n > 0).
+inline unsigned graph_tile_blocks(int64_t n) {
+  return static_cast<unsigned>(
+      std::min<int64_t>(ceil_div(n, kGraphTile), kGraphMaxBlocks));
+}
+
+// (hi << 32) | lo for hi, lo in [0, 2^32).
+__device__ __forceinline__ uint64_t pack(uint32_t hi, uint32_t lo) {
+  return (static_cast<uint64_t>(hi) << 32) | lo;
 }
 
 #define PFA_GRID_STRIDE(i, n)                                            \
@@ -86,46 +109,84 @@ __global__ void ptr_kernel(const K* __restrict__ keys, int64_t stride,
   }
 }
 
+// Pointer of n > 0 sorted keys (each <= num_rows) at position p: ptr[x] = p
+// for x in (key[p - 1], key[p]] (from x = 0 at p = 0) and, at p = n - 1,
+// ptr[x] = n for x in (key[n - 1], num_rows]. A run longer than
+// kGraphPtrGap sets *fallback instead (ptr_fallback_kernel).
+template <typename out_t>
+__device__ __forceinline__ void ptr_at(const uint32_t* __restrict__ keys,
+                                       int64_t n, int64_t num_rows, int64_t p,
+                                       out_t* __restrict__ ptr,
+                                       int32_t* __restrict__ fallback) {
+  const int64_t k = keys[p];
+  const int64_t a = p == 0 ? 0 : static_cast<int64_t>(keys[p - 1]) + 1;
+  if (k - a >= kGraphPtrGap) *fallback = 1;
+  else for (int64_t x = a; x <= k; ++x) ptr[x] = static_cast<out_t>(p);
+  if (p == n - 1) {
+    if (num_rows - k > kGraphPtrGap) *fallback = 1;
+    else for (int64_t x = k + 1; x <= num_rows; ++x)
+      ptr[x] = static_cast<out_t>(n);
+  }
+}
+
+// One thread per pointer entry d in [0, num_rows] (grid-stride), only when
+// *fallback is set: ptr_kernel's binary search.
+template <typename out_t>
+__global__ void ptr_fallback_kernel(const int32_t* __restrict__ fallback,
+                                    const uint32_t* __restrict__ keys,
+                                    int64_t n, int64_t num_rows,
+                                    out_t* __restrict__ out) {
+  if (*fallback == 0) return;
+  PFA_GRID_STRIDE(d, num_rows + 1) {
+    out[d] = static_cast<out_t>(lower_bound(keys, 1, n, d));
+  }
+}
+
 // Unsorted CSR. One thread per augmented edge i in [0, E + L)
 // (grid-stride): its sort key (destination; num_dst for a removed
-// self-loop; d for the added loop (d, d)), its position, and removed /
-// fill_index.
+// self-loop; d for the added loop (d, d)), its value (source as int32, the
+// col it gets) << 32 | i, and removed / fill_index.
 template <typename index_t>
 __global__ void csr_keys_kernel(const index_t* __restrict__ src, int64_t ss,
                                 const index_t* __restrict__ dst, int64_t ds,
                                 int64_t E, int64_t L, int64_t num_dst,
                                 uint32_t* __restrict__ key,
-                                int32_t* __restrict__ val,
+                                uint64_t* __restrict__ val,
                                 bool* __restrict__ removed,
                                 int64_t* __restrict__ fill) {
   PFA_GRID_STRIDE(i, E + L) {
+    int64_t c;
     if (i < E) {
       const int64_t s = src[i * ss], d = dst[i * ds];
       const bool loop = L > 0 && s == d;
       key[i] = static_cast<uint32_t>(loop ? num_dst : clamp_to(d, 0, num_dst));
       removed[i] = loop;
       if (L > 0) fill[i] = (loop || d >= L) ? L : d;
+      c = s;
     } else {
-      key[i] = static_cast<uint32_t>(i - E);
+      c = i - E;
+      key[i] = static_cast<uint32_t>(c);
       removed[i] = false;
     }
-    val[i] = static_cast<int32_t>(i);
+    val[i] = pack(static_cast<uint32_t>(static_cast<int32_t>(c)),
+                  static_cast<uint32_t>(i));
   }
 }
 
-// Unsorted CSR. One thread per CSR position p (grid-stride): the augmented
-// edge v sorted there gives perm[p] = v and col[p] = its source.
-template <typename index_t>
-__global__ void csr_gather_kernel(const int32_t* __restrict__ val,
-                                  const index_t* __restrict__ src, int64_t ss,
-                                  int64_t E, int64_t n,
-                                  int64_t* __restrict__ perm,
-                                  int32_t* __restrict__ col) {
+// Unsorted CSR. One thread per CSR position p (grid-stride): the value
+// sorted there gives perm[p] (low half) and col[p] (high half); the sorted
+// keys give rowptr entries (ptr_at).
+__global__ void csr_split_kernel(const uint64_t* __restrict__ val,
+                                 const uint32_t* __restrict__ keys, int64_t n,
+                                 int64_t num_dst, int64_t* __restrict__ perm,
+                                 int32_t* __restrict__ col,
+                                 int32_t* __restrict__ rowptr,
+                                 int32_t* __restrict__ fallback) {
   PFA_GRID_STRIDE(p, n) {
-    const int64_t v = val[p];
-    perm[p] = v;
-    col[p] = static_cast<int32_t>(v < E ? static_cast<int64_t>(src[v * ss])
-                                        : v - E);
+    const uint64_t v = val[p];
+    perm[p] = static_cast<int64_t>(v & 0xffffffffu);
+    col[p] = static_cast<int32_t>(static_cast<uint32_t>(v >> 32));
+    ptr_at(keys, n, num_dst, p, rowptr, fallback);
   }
 }
 
@@ -143,129 +204,199 @@ __global__ void csr_copy_kernel(const index_t* __restrict__ src, int64_t ss,
   }
 }
 
-// Sorted CSR with loops. One thread per i in [0, E + L] (grid-stride):
-// keep[i] = 1 for an input edge that is not a self-loop (0 at i = E, so the
-// exclusive scan of [0, E] ends with the kept total), removed, fill_index.
+// Sorted CSR with loops: keep(i) = 1 for an input edge i < E that is not a
+// self-loop, 0 at i = E (so the exclusive scan of [0, E] ends with the kept
+// total). Read by the scan as it goes (no flags array).
 template <typename index_t>
-__global__ void csr_flags_kernel(const index_t* __restrict__ src, int64_t ss,
-                                 const index_t* __restrict__ dst, int64_t ds,
-                                 int64_t E, int64_t L,
-                                 int32_t* __restrict__ keep,
-                                 bool* __restrict__ removed,
-                                 int64_t* __restrict__ fill) {
-  PFA_GRID_STRIDE(i, E + L + 1) {
-    if (i < E) {
-      const int64_t s = src[i * ss], d = dst[i * ds];
-      const bool loop = s == d;
-      keep[i] = loop ? 0 : 1;
-      removed[i] = loop;
-      fill[i] = (loop || d >= L) ? L : d;
-    } else {
-      if (i == E) keep[i] = 0;
-      if (i < E + L) removed[i] = false;
-    }
+struct KeepFlag {
+  const index_t* src;
+  int64_t ss;
+  const index_t* dst;
+  int64_t ds;
+  int64_t E;
+  __host__ __device__ int32_t operator()(int64_t i) const {
+    return i < E && src[i * ss] != dst[i * ds] ? 1 : 0;
   }
-}
+};
 
-// Sorted CSR with loops. One thread per row pointer d in [0, num_dst]
-// (grid-stride): kept edges before row d (ck at the row's first input edge,
-// found by binary search in dst) plus the loops of rows < d.
-template <typename index_t>
-__global__ void csr_sorted_rowptr_kernel(const index_t* __restrict__ dst,
-                                         int64_t ds, int64_t E,
-                                         int64_t num_dst, int64_t L,
-                                         const int32_t* __restrict__ ck,
-                                         int32_t* __restrict__ rowptr) {
-  PFA_GRID_STRIDE(d, num_dst + 1) {
-    const int64_t first = lower_bound(dst, ds, E, d);
-    rowptr[d] = static_cast<int32_t>(ck[first] + (d < L ? d : L));
-  }
-}
-
-// Sorted CSR with loops. One thread per augmented edge i (grid-stride): its
-// CSR position p (row d: kept edges in input order, then loop (d, d);
-// removed self-loops after every row, in input order); perm[p] = i, col[p] =
-// its source. p is clamped, so wrongly declared order stays in range.
+// Sorted CSR with loops. One thread per i in [0, E] (grid-stride). An input
+// edge i < E gets its CSR position p (row d: kept edges in input order, then
+// the loop (d, d); removed self-loops after every row, in input order):
+// perm[p] = i, col[p] = its source; and removed[i], fill_index[i].
+// Non-decreasing dst (in range or not) makes p a bijection onto the
+// non-loop slots of [0, E + L); a decrease sets *unsorted (p is clamped,
+// but positions may be missed: csr_fixup_kernel). Row marks: with
+// h = min(dst[i], num_dst) (num_dst at i = E), if dst[i - 1] < h (or i = 0)
+// and h >= 0, mark[num_dst - h] = ck[i]; the suffix minimum of the marks
+// over rows >= x is then ck[lower_bound(dst, x)] for sorted dst (reversed
+// so that cub scans forward). mark[0] (row num_dst) is always written.
 template <typename index_t>
 __global__ void csr_scatter_kernel(const index_t* __restrict__ src, int64_t ss,
                                    const index_t* __restrict__ dst, int64_t ds,
-                                   int64_t E, int64_t L,
+                                   int64_t E, int64_t L, int64_t num_dst,
                                    const int32_t* __restrict__ ck,
-                                   const int32_t* __restrict__ rowptr,
                                    int64_t* __restrict__ perm,
-                                   int32_t* __restrict__ col) {
+                                   int32_t* __restrict__ col,
+                                   bool* __restrict__ removed,
+                                   int64_t* __restrict__ fill,
+                                   int32_t* __restrict__ mark,
+                                   int32_t* __restrict__ unsorted) {
   const int64_t n = E + L;
   const int64_t kept = ck[E];
-  PFA_GRID_STRIDE(i, n) {
-    int64_t p, c;
+  PFA_GRID_STRIDE(i, E + 1) {
+    const int64_t before = ck[i];  // kept edges before i
+    const bool first = i == 0;
+    const int64_t prev = first ? 0 : static_cast<int64_t>(dst[(i - 1) * ds]);
+    int64_t h = num_dst;
     if (i < E) {
       const int64_t s = src[i * ss], d = dst[i * ds];
-      const int64_t before = ck[i];  // kept edges before i
-      p = s != d ? before + clamp_to(d, 0, L) : i - before + kept + L;
-      c = s;
-    } else {
-      c = i - E;
-      p = static_cast<int64_t>(rowptr[c + 1]) - 1;
+      const bool loop = s == d;
+      const int64_t p = clamp_to(
+          loop ? i - before + kept + L : before + clamp_to(d, 0, L), 0,
+          n - 1);
+      removed[i] = loop;
+      fill[i] = (loop || d >= L) ? L : d;
+      perm[p] = i;
+      col[p] = static_cast<int32_t>(s);
+      if (!first && prev > d) *unsorted = 1;
+      h = d < num_dst ? d : num_dst;
     }
-    p = clamp_to(p, 0, n - 1);
-    perm[p] = i;
-    col[p] = static_cast<int32_t>(c);
+    if ((first || prev < h) && h >= 0)
+      mark[num_dst - h] = static_cast<int32_t>(before);
   }
 }
 
-// CSC. One thread per CSR position e (grid-stride): key = its column
-// (num_cols from rowptr[N] on), val = e, and its row by binary search in
-// rowptr (neighbouring threads take the same path).
+// min(a, b) for cub's scan of the row marks.
+struct MinOp {
+  __host__ __device__ int32_t operator()(int32_t a, int32_t b) const {
+    return b < a ? b : a;
+  }
+};
+
+// Sorted CSR with loops. One thread per row pointer x in [0, num_dst]
+// (grid-stride): rowptr[x] = kept edges before row x (the scanned marks,
+// smin[num_dst - x], clamped into [0, kept]) plus the loops of rows < x;
+// for 1 <= x <= L the loop of row x - 1 takes the row's last slot,
+// rowptr[x] - 1 (clamped), and removed[E + x - 1] = false.
+__global__ void csr_rowptr_loops_kernel(const int32_t* __restrict__ smin,
+                                        const int32_t* __restrict__ ck,
+                                        int64_t E, int64_t L, int64_t num_dst,
+                                        int32_t* __restrict__ rowptr,
+                                        int64_t* __restrict__ perm,
+                                        int32_t* __restrict__ col,
+                                        bool* __restrict__ removed) {
+  const int64_t n = E + L;
+  const int64_t kept = ck[E];
+  PFA_GRID_STRIDE(x, num_dst + 1) {
+    const int64_t r =
+        clamp_to(static_cast<int64_t>(smin[num_dst - x]), 0, kept) +
+        (x < L ? x : L);
+    rowptr[x] = static_cast<int32_t>(r);
+    if (x >= 1 && x <= L) {
+      const int64_t p = clamp_to(r - 1, 0, n - 1);
+      perm[p] = E + x - 1;
+      col[p] = static_cast<int32_t>(x - 1);
+      removed[E + x - 1] = false;
+    }
+  }
+}
+
+// Sorted CSR declared but dst decreasing somewhere (*unsorted): one thread
+// per CSR position (grid-stride) clamps perm into [0, n) and col into
+// [0, num_src), so positions the scatter missed hold in-range garbage.
+// Returns at once for sorted input.
+__global__ void csr_fixup_kernel(const int32_t* __restrict__ unsorted,
+                                 int64_t n, int64_t num_src,
+                                 int64_t* __restrict__ perm,
+                                 int32_t* __restrict__ col) {
+  if (*unsorted == 0) return;
+  PFA_GRID_STRIDE(p, n) {
+    perm[p] = clamp_to(perm[p], 0, n - 1);
+    col[p] = static_cast<int32_t>(
+        clamp_to(static_cast<int64_t>(col[p]), 0, num_src - 1));
+  }
+}
+
+// CSC. One block per tile of kGraphTile consecutive CSR positions
+// (block-stride over tiles): two threads find the rows of the tile's first
+// and last positions by binary search in rowptr, then each thread takes the
+// positions t0 + tid + j * kGraphBlock and searches its row among the
+// tile's rows only (few levels, cached). key = column (num_cols from
+// rowptr[N] on), val = row << 32 | position.
 template <typename index_t>
-__global__ void csc_keys_kernel(const index_t* __restrict__ rowptr, int64_t N,
-                                const index_t* __restrict__ col, int64_t E,
-                                int64_t num_cols, uint32_t* __restrict__ key,
-                                int32_t* __restrict__ val,
-                                int32_t* __restrict__ row_of) {
+__global__ void __launch_bounds__(kGraphBlock)
+    csc_keys_kernel(const index_t* __restrict__ rowptr, int64_t N,
+                    const index_t* __restrict__ col, int64_t E,
+                    int64_t num_cols, uint32_t* __restrict__ key,
+                    uint64_t* __restrict__ val) {
+  __shared__ int64_t rows[2];
   const int64_t tail = tail_begin(rowptr, N, E);
-  PFA_GRID_STRIDE(e, E) {
-    key[e] = static_cast<uint32_t>(
-        e < tail ? clamp_to(static_cast<int64_t>(col[e]), 0, num_cols)
-                 : num_cols);
-    val[e] = static_cast<int32_t>(e);
-    row_of[e] = static_cast<int32_t>(upper_bound(rowptr + 1, N, e));
+  const int64_t step = static_cast<int64_t>(gridDim.x) * kGraphTile;
+  for (int64_t t0 = static_cast<int64_t>(blockIdx.x) * kGraphTile; t0 < E;
+       t0 += step) {  // uniform over the block
+    const int64_t t1 = t0 + kGraphTile < E ? t0 + kGraphTile : E;
+    if (threadIdx.x < 2)
+      rows[threadIdx.x] =
+          upper_bound(rowptr + 1, N, threadIdx.x == 0 ? t0 : t1 - 1);
+    __syncthreads();
+    // Rows of [t0, t1) lie in [lo, hi] when rowptr is non-decreasing (and
+    // stay in [0, N] when it is not).
+    const int64_t lo = rows[0], hi = rows[1] > lo ? rows[1] : lo;
+    for (int64_t e = t0 + threadIdx.x; e < t1; e += kGraphBlock) {
+      const int64_t r = lo + upper_bound(rowptr + 1 + lo, hi - lo, e);
+      key[e] = static_cast<uint32_t>(
+          e < tail ? clamp_to(static_cast<int64_t>(col[e]), 0, num_cols)
+                   : num_cols);
+      val[e] = pack(static_cast<uint32_t>(r), static_cast<uint32_t>(e));
+    }
+    __syncthreads();  // rows[] is rewritten for the next tile
   }
 }
 
-// CSC. One thread per CSC position k (grid-stride): the CSR position e
-// sorted there gives perm[k] = e, inv[e] = k, row[k] = e's row.
+// CSC. One thread per CSC position k (grid-stride): the value sorted there
+// (row << 32 | CSR position e) gives perm[k] = e, row[k] and inv[e] = k
+// (the one random access, a write); the sorted keys give colptr entries
+// (ptr_at).
 template <typename index_t>
-__global__ void csc_finish_kernel(const int32_t* __restrict__ val,
-                                  const int32_t* __restrict__ row_of,
-                                  int64_t E, index_t* __restrict__ perm,
+__global__ void csc_finish_kernel(const uint64_t* __restrict__ val,
+                                  const uint32_t* __restrict__ keys,
+                                  int64_t E, int64_t num_cols,
+                                  index_t* __restrict__ perm,
                                   index_t* __restrict__ inv,
-                                  index_t* __restrict__ row) {
+                                  index_t* __restrict__ row,
+                                  index_t* __restrict__ colptr,
+                                  int32_t* __restrict__ fallback) {
   PFA_GRID_STRIDE(k, E) {
-    const int32_t e = val[k];
+    const uint64_t v = val[k];
+    const int64_t e = static_cast<int64_t>(v & 0xffffffffu);
     perm[k] = static_cast<index_t>(e);
+    row[k] = static_cast<index_t>(v >> 32);
     inv[e] = static_cast<index_t>(k);
-    row[k] = static_cast<index_t>(row_of[e]);
+    ptr_at(keys, E, num_cols, k, colptr, fallback);
   }
 }
 
-// Stable sort of n (key, value) pairs by key bits [0, end_bit); temp storage
-// from the caching allocator on the current stream.
-void sort_pairs(const uint32_t* k_in, uint32_t* k_out, const int32_t* v_in,
-                int32_t* v_out, int64_t n, int end_bit,
-                const at::TensorOptions& opt, cudaStream_t stream) {
+// Stable sort of n (key, value) pairs by key bits [0, end_bit), in place
+// in the double buffers (the sorted pairs end in keys.Current() and
+// vals.Current()); temp storage from the caching allocator on the current
+// stream.
+template <typename V>
+void sort_pairs(cub::DoubleBuffer<uint32_t>& keys, cub::DoubleBuffer<V>& vals,
+                int64_t n, int end_bit, const at::TensorOptions& opt,
+                cudaStream_t stream) {
   if (n == 0) return;
   size_t bytes = 0;
   C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-      nullptr, bytes, k_in, k_out, v_in, v_out, static_cast<int>(n), 0,
-      end_bit, stream));
+      nullptr, bytes, keys, vals, static_cast<int>(n), 0, end_bit, stream));
   at::Tensor tmp = at::empty({static_cast<int64_t>(bytes)}, opt.dtype(at::kByte));
   C10_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(
-      tmp.data_ptr(), bytes, k_in, k_out, v_in, v_out, static_cast<int>(n), 0,
-      end_bit, stream));
+      tmp.data_ptr(), bytes, keys, vals, static_cast<int>(n), 0, end_bit,
+      stream));
 }
 
-// out[i] = in[0] + ... + in[i - 1] over n items.
-void exclusive_sum(const int32_t* in, int32_t* out, int64_t n,
+// out[i] = in[0] + ... + in[i - 1] over n items (cub's single-pass scan).
+template <typename InputIt>
+void exclusive_sum(InputIt in, int32_t* out, int64_t n,
                    const at::TensorOptions& opt, cudaStream_t stream) {
   size_t bytes = 0;
   C10_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, bytes, in, out,
@@ -273,6 +404,17 @@ void exclusive_sum(const int32_t* in, int32_t* out, int64_t n,
   at::Tensor tmp = at::empty({static_cast<int64_t>(bytes)}, opt.dtype(at::kByte));
   C10_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(tmp.data_ptr(), bytes, in, out,
                                                static_cast<int>(n), stream));
+}
+
+// out[i] = min(in[0], ..., in[i]) over n items.
+void inclusive_min(const int32_t* in, int32_t* out, int64_t n,
+                   const at::TensorOptions& opt, cudaStream_t stream) {
+  size_t bytes = 0;
+  C10_CUDA_CHECK(cub::DeviceScan::InclusiveScan(
+      nullptr, bytes, in, out, MinOp(), static_cast<int>(n), stream));
+  at::Tensor tmp = at::empty({static_cast<int64_t>(bytes)}, opt.dtype(at::kByte));
+  C10_CUDA_CHECK(cub::DeviceScan::InclusiveScan(
+      tmp.data_ptr(), bytes, in, out, MinOp(), static_cast<int>(n), stream));
 }
 
 Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
@@ -287,11 +429,8 @@ Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
   const auto opt = src.options();
   const auto i32 = opt.dtype(at::kInt);
   at::Tensor rowptr = at::empty({num_dst + 1}, i32);
-  // The sorted scatter may miss positions of wrongly ordered input: zeros.
-  const bool scatter = is_sorted && L > 0;
-  at::Tensor col = scatter ? at::zeros({n}, i32) : at::empty({n}, i32);
-  at::Tensor perm = scatter ? at::zeros({n}, opt.dtype(at::kLong))
-                            : at::empty({n}, opt.dtype(at::kLong));
+  at::Tensor col = at::empty({n}, i32);
+  at::Tensor perm = at::empty({n}, opt.dtype(at::kLong));
   at::Tensor removed = at::empty({n}, opt.dtype(at::kBool));
   at::Tensor fill = at::empty({L > 0 ? E : 0}, opt.dtype(at::kLong));
   PFA_DISPATCH_INDEX(src.scalar_type(), "csr_build_cuda", [&] {
@@ -304,26 +443,31 @@ Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
     bool* rm = removed.data_ptr<bool>();
     int64_t* fi = L > 0 ? fill.data_ptr<int64_t>() : nullptr;
     if (!is_sorted) {
-      at::Tensor keys = at::empty({2 * n}, i32), vals = at::empty({2 * n}, i32);
-      uint32_t* k_in = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
-      int32_t* v_in = vals.data_ptr<int32_t>();
+      // Keys (two buffers), then the pointer fallback flag.
+      at::Tensor keys = at::empty({2 * n + 1}, i32);
+      at::Tensor vals = at::empty({2 * n}, opt.dtype(at::kLong));
+      uint32_t* k0 = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
+      uint64_t* v0 = reinterpret_cast<uint64_t*>(vals.data_ptr<int64_t>());
+      int32_t* fallback = keys.data_ptr<int32_t>() + 2 * n;
+      C10_CUDA_CHECK(cudaMemsetAsync(fallback, n > 0 ? 0 : 1,
+                                     sizeof(int32_t), stream));
       if (n > 0) {
         csr_keys_kernel<index_t><<<graph_blocks(n), kGraphBlock, 0, stream>>>(
-            s, ss, d, ds, E, L, num_dst, k_in, v_in, rm, fi);
+            s, ss, d, ds, E, L, num_dst, k0, v0, rm, fi);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
-      sort_pairs(k_in, k_in + n, v_in, v_in + n, n, key_bits(num_dst), opt,
-                 stream);
-      ptr_kernel<uint32_t, int32_t>
-          <<<graph_blocks(num_dst + 1), kGraphBlock, 0, stream>>>(
-              k_in + n, 1, n, num_dst, rp);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      cub::DoubleBuffer<uint32_t> kb(k0, k0 + n);
+      cub::DoubleBuffer<uint64_t> vb(v0, v0 + n);
+      sort_pairs(kb, vb, n, key_bits(num_dst), opt, stream);
       if (n > 0) {
-        csr_gather_kernel<index_t>
-            <<<graph_blocks(n), kGraphBlock, 0, stream>>>(v_in + n, s, ss, E,
-                                                         n, pm, cl);
+        csr_split_kernel<<<graph_blocks(n), kGraphBlock, 0, stream>>>(
+            vb.Current(), kb.Current(), n, num_dst, pm, cl, rp, fallback);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
+      ptr_fallback_kernel<int32_t>
+          <<<graph_blocks(num_dst + 1), kGraphBlock, 0, stream>>>(
+              fallback, kb.Current(), n, num_dst, rp);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
     } else if (L == 0) {
       ptr_kernel<index_t, int32_t>
           <<<graph_blocks(num_dst + 1), kGraphBlock, 0, stream>>>(
@@ -335,20 +479,35 @@ Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     } else {
-      at::Tensor flags = at::empty({2 * (E + 1)}, i32);
-      int32_t* keep = flags.data_ptr<int32_t>();
-      int32_t* ck = keep + (E + 1);
-      csr_flags_kernel<index_t>
-          <<<graph_blocks(n + 1), kGraphBlock, 0, stream>>>(s, ss, d, ds, E, L,
-                                                           keep, rm, fi);
+      // ck [E + 1] (kept edges before i), then the unsorted flag.
+      at::Tensor work = at::empty({E + 2}, i32);
+      int32_t* ck = work.data_ptr<int32_t>();
+      int32_t* unsorted = ck + (E + 1);
+      C10_CUDA_CHECK(
+          cudaMemsetAsync(unsorted, 0, sizeof(int32_t), stream));
+      // Row marks (reversed; unmarked rows hold the largest int32), then
+      // their running minimum.
+      at::Tensor marks = at::empty({2 * (num_dst + 1)}, i32);
+      marks.narrow(0, 0, num_dst + 1)
+          .fill_(std::numeric_limits<int32_t>::max());
+      int32_t* mark = marks.data_ptr<int32_t>();
+      int32_t* smin = mark + (num_dst + 1);
+      exclusive_sum(thrust::make_transform_iterator(
+                        thrust::counting_iterator<int64_t>(0),
+                        KeepFlag<index_t>{s, ss, d, ds, E}),
+                    ck, E + 1, opt, stream);
+      csr_scatter_kernel<index_t>
+          <<<graph_blocks(E + 1), kGraphBlock, 0, stream>>>(
+              s, ss, d, ds, E, L, num_dst, ck, pm, cl, rm, fi, mark,
+              unsorted);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      exclusive_sum(keep, ck, E + 1, opt, stream);
-      csr_sorted_rowptr_kernel<index_t>
-          <<<graph_blocks(num_dst + 1), kGraphBlock, 0, stream>>>(
-              d, ds, E, num_dst, L, ck, rp);
+      inclusive_min(mark, smin, num_dst + 1, opt, stream);
+      csr_rowptr_loops_kernel<<<graph_blocks(num_dst + 1), kGraphBlock, 0,
+                                stream>>>(smin, ck, E, L, num_dst, rp, pm, cl,
+                                          rm);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      csr_scatter_kernel<index_t><<<graph_blocks(n), kGraphBlock, 0, stream>>>(
-          s, ss, d, ds, E, L, ck, rp, pm, cl);
+      csr_fixup_kernel<<<graph_blocks(n), kGraphBlock, 0, stream>>>(
+          unsorted, n, num_src, pm, cl);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
@@ -368,30 +527,36 @@ Outputs4 csc_build_cuda(const at::Tensor& rowptr_, const at::Tensor& col_,
   at::Tensor row = at::empty({E}, opt);
   at::Tensor perm = at::empty({E}, opt);
   at::Tensor inv = at::empty({E}, opt);
-  at::Tensor keys = at::empty({2 * E}, i32), vals = at::empty({2 * E}, i32);
-  at::Tensor row_of = at::empty({E}, i32);
-  uint32_t* k_in = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
-  int32_t* v_in = vals.data_ptr<int32_t>();
+  // Keys (two buffers), then the pointer fallback flag.
+  at::Tensor keys = at::empty({2 * E + 1}, i32);
+  at::Tensor vals = at::empty({2 * E}, opt.dtype(at::kLong));
+  uint32_t* k0 = reinterpret_cast<uint32_t*>(keys.data_ptr<int32_t>());
+  uint64_t* v0 = reinterpret_cast<uint64_t*>(vals.data_ptr<int64_t>());
+  int32_t* fallback = keys.data_ptr<int32_t>() + 2 * E;
+  C10_CUDA_CHECK(
+      cudaMemsetAsync(fallback, E > 0 ? 0 : 1, sizeof(int32_t), stream));
   PFA_DISPATCH_INDEX(rowptr.scalar_type(), "csc_build_cuda", [&] {
     const index_t* rp = rowptr.const_data_ptr<index_t>();
     if (E > 0) {
-      csc_keys_kernel<index_t><<<graph_blocks(E), kGraphBlock, 0, stream>>>(
-          rp, N, col.const_data_ptr<index_t>(), E, num_cols, k_in, v_in,
-          row_of.data_ptr<int32_t>());
+      csc_keys_kernel<index_t>
+          <<<graph_tile_blocks(E), kGraphBlock, 0, stream>>>(
+              rp, N, col.const_data_ptr<index_t>(), E, num_cols, k0, v0);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
-    sort_pairs(k_in, k_in + E, v_in, v_in + E, E, key_bits(num_cols), opt,
-               stream);
-    ptr_kernel<uint32_t, index_t>
-        <<<graph_blocks(num_cols + 1), kGraphBlock, 0, stream>>>(
-            k_in + E, 1, E, num_cols, colptr.data_ptr<index_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    cub::DoubleBuffer<uint32_t> kb(k0, k0 + E);
+    cub::DoubleBuffer<uint64_t> vb(v0, v0 + E);
+    sort_pairs(kb, vb, E, key_bits(num_cols), opt, stream);
+    index_t* cp = colptr.data_ptr<index_t>();
     if (E > 0) {
       csc_finish_kernel<index_t><<<graph_blocks(E), kGraphBlock, 0, stream>>>(
-          v_in + E, row_of.data_ptr<int32_t>(), E, perm.data_ptr<index_t>(),
-          inv.data_ptr<index_t>(), row.data_ptr<index_t>());
+          vb.Current(), kb.Current(), E, num_cols, perm.data_ptr<index_t>(),
+          inv.data_ptr<index_t>(), row.data_ptr<index_t>(), cp, fallback);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
+    ptr_fallback_kernel<index_t>
+        <<<graph_blocks(num_cols + 1), kGraphBlock, 0, stream>>>(
+            fallback, kb.Current(), E, num_cols, cp);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {colptr, row, perm, inv};
 }

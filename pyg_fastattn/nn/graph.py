@@ -278,7 +278,10 @@ def _validate(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
                              'destination (row 1) but is not')
         return
     smin, smax = torch.aminmax(src)
-    dmin, dmax = torch.aminmax(dst)
+    if is_sorted:  # once the order holds, dst's range is its ends'
+        dmin, dmax = dst[0], dst[-1]
+    else:
+        dmin, dmax = torch.aminmax(dst)
     ok = (smin >= 0) & (smax < num_src) & (dmin >= 0) & (dmax < num_dst)
     if is_sorted and src.numel() > 1:
         ok = ok & (dst[1:] >= dst[:-1]).all()
