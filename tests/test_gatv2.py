@@ -445,6 +445,45 @@ def test_layer_bipartite(backend, device, share):
              dict(return_attention_weights=True))
 
 
+BIAS_CONFIGS = [
+    dict(heads=3),
+    dict(heads=3, residual=True),
+    dict(heads=2, edge_dim=3, share_weights=True),
+    dict(heads=2, edge_dim=3, residual=True),
+    dict(heads=1, concat=False),
+    dict(heads=3, concat=False),
+]
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('cfg', BIAS_CONFIGS, ids=str)
+def test_layer_fused_bias(backend, device, cfg, monkeypatch):
+    """The op adds the bias exactly when nothing comes between (concat or
+    one head, no residual); either way the layer equals GATv2Conv (nonzero
+    bias), forward and gradients, with and without attention weights."""
+    biases = []
+    op = ops.gatv2_attention
+
+    def spy(*args, **kwargs):
+        biases.append(kwargs.get('bias'))
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(ops, 'gatv2_attention', spy)
+    x, _, ei, ea = _graph(device)
+    ref, fast = _pair(cfg, device)
+    with torch.no_grad():  # PyG initializes the bias to zeros
+        ref.bias.normal_()
+        fast.bias.copy_(ref.bias)
+    x.requires_grad_()
+    args = (x, ei, ea) if 'edge_dim' in cfg else (x, ei)
+    _compare(ref, fast, args)
+    _compare(ref, fast, args, dict(return_attention_weights=True))
+    fused = ((cfg.get('concat', True) or cfg['heads'] == 1)
+             and not cfg.get('residual', False))
+    assert len(biases) == 2
+    assert all((b is fast.bias) if fused else b is None for b in biases)
+
+
 @pytest.mark.parametrize('device', DEVICES)
 def test_layer_sparse_and_dropout(backend, device):
     x, _, ei, _ = _graph(device)
