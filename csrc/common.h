@@ -178,13 +178,15 @@ void check_gatv2_attention(const at::Tensor& rowptr, const at::Tensor& col,
                            const at::Tensor& x_l, const at::Tensor& x_r,
                            const c10::optional<at::Tensor>& edge_term,
                            const at::Tensor& att,
-                           const c10::optional<at::Tensor>& mask);
+                           const c10::optional<at::Tensor>& mask,
+                           const c10::optional<at::Tensor>& bias);
 void check_gatv2_attention_backward(
     const at::Tensor& rowptr, const at::Tensor& col, const at::Tensor& colptr,
     const at::Tensor& csc_row, const at::Tensor& csc_perm,
     const at::Tensor& x_l, const at::Tensor& x_r,
     const c10::optional<at::Tensor>& edge_term, const at::Tensor& att,
-    const c10::optional<at::Tensor>& mask, const at::Tensor& out,
+    const c10::optional<at::Tensor>& mask,
+    const c10::optional<at::Tensor>& bias, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& grad_out);
 
 }  // namespace pyg_fastattn

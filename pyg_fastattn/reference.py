@@ -275,6 +275,7 @@ def _gatv2_scores(rowptr, col, x_l, x_r, edge_term, att, negative_slope, t):
 def gatv2_attention(rowptr: Tensor, col: Tensor, x_l: Tensor, x_r: Tensor,
                     edge_term: Optional[Tensor], att: Tensor,
                     mask: Optional[Tensor], negative_slope: float,
+                    bias: Optional[Tensor] = None,
                     colptr: Optional[Tensor] = None,
                     csc_row: Optional[Tensor] = None,
                     csc_perm: Optional[Tensor] = None
@@ -288,6 +289,8 @@ def gatv2_attention(rowptr: Tensor, col: Tensor, x_l: Tensor, x_r: Tensor,
     p = alpha * mask.to(t) if mask is not None else alpha
     msg = p.unsqueeze(-1) * x_l[j].to(t)
     out = msg.new_zeros((N + 1, H, C)).index_add(0, row, msg)[:N]
+    if bias is not None:
+        out = out + bias.to(t).view(H, C)
     return out.to(x_l.dtype), lse
 
 
@@ -295,8 +298,9 @@ def gatv2_attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
                              csc_row: Tensor, csc_perm: Tensor, x_l: Tensor,
                              x_r: Tensor, edge_term: Optional[Tensor],
                              att: Tensor, mask: Optional[Tensor],
-                             negative_slope: float, out: Tensor, lse: Tensor,
-                             grad_out: Tensor, need_edge: bool
+                             negative_slope: float, bias: Optional[Tensor],
+                             out: Tensor, lse: Tensor, grad_out: Tensor,
+                             need_edge: bool
                              ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     N = rowptr.numel() - 1
     t = _opmath(x_l.dtype)
@@ -311,7 +315,10 @@ def gatv2_attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
     g = (go * x_l[j].to(t)).sum(-1)
     if mask is not None:
         g = g * mask.to(t)
-    delta = _pad_row((grad_out.to(t) * out.to(t)).sum(-1))[row]
+    out = out.to(t)
+    if bias is not None:  # out holds the forward's bias
+        out = out - bias.to(t).view(out.shape[1:])
+    delta = _pad_row((grad_out.to(t) * out).sum(-1))[row]
     grad_s = torch.where(finite, alpha * (g - delta), torch.zeros_like(s))
     dz = torch.where(z > 0, torch.ones_like(z), torch.full_like(z,
                                                                 negative_slope))

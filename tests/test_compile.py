@@ -43,7 +43,8 @@ def _op_cases(device, idx):
     nd = lambda a: a.detach()  # noqa: E731
     x_r, e_t = torch.randn(N, H, C, **d), torch.randn(E, H, C, **d)
     out2, lse2 = ops.gatv2_attention(rowptr, col, nd(v), nd(x_r), nd(att[0]),
-                                     nd(e_t), t['mask'], return_lse=True)
+                                     nd(e_t), t['mask'], return_lse=True,
+                                     bias=nd(bias))
     return [
         ('edge_softmax', (rowptr, s)),
         ('edge_softmax_backward', (rowptr, nd(s).softmax(0), torch.randn_like(nd(s)))),
@@ -66,13 +67,17 @@ def _op_cases(device, idx):
                            torch.randn(N, H, C, **d), att[1], None, None,
                            None, 0.2, False)),
         ('gatv2_attention', (rowptr, col, v, x_r, e_t, att[0][0], t['mask'],
-                             0.2, *tuple(csc)[:3])),
+                             0.2, bias, *tuple(csc)[:3])),
         ('gatv2_attention', (rowptr, col, v, x_r, None, att[0][0], None, 0.2,
-                             None, None, None)),
+                             None, None, None, None)),
         ('gatv2_attention_backward', (rowptr, col, *tuple(csc)[:3], nd(v),
                                       nd(x_r), nd(e_t), nd(att[0][0]),
-                                      t['mask'], 0.2, out2, lse2,
+                                      t['mask'], 0.2, nd(bias), out2, lse2,
                                       torch.randn_like(out2), True)),
+        ('gatv2_attention_backward', (rowptr, col, *tuple(csc)[:3], nd(v),
+                                      nd(x_r), None, nd(att[0][0]), None,
+                                      0.2, None, out2, lse2,
+                                      torch.randn_like(out2), False)),
     ]
 
 

@@ -40,26 +40,31 @@ def _grads(fn, tensors, grad_out):
     return out.detach(), list(gs)
 
 
-def _check(rowptr, col, x_l, x_r, e_t, att, mask, tol, slope=0.2):
+def _check(rowptr, col, x_l, x_r, e_t, att, mask, tol, slope=0.2,
+           bias=None):
     """The op (current backend) against the float64 reference."""
-    def op(a, b, c, e):
-        return ops.gatv2_attention(rowptr, col, a, b, c, e, mask, slope)
+    def op(a, b, c, e, bi):
+        return ops.gatv2_attention(rowptr, col, a, b, c, e, mask, slope,
+                                   bias=bi)
 
-    def ref(a, b, c, e):
+    def ref(a, b, c, e, bi):
         m = mask.double() if mask is not None else None
         e = e.double() if e is not None else None
+        bi = bi.double() if bi is not None else None
         return reference.gatv2_attention(rowptr, col, a.double(), b.double(),
-                                         e, c.double(), m, slope)[0]
+                                         e, c.double(), m, slope, bi)[0]
 
     go = torch.randn(rowptr.numel() - 1, x_l.size(1), x_l.size(2),
                      dtype=x_l.dtype, device=x_l.device)
-    out, g = _grads(op, (x_l, x_r, att, e_t), go)
+    out, g = _grads(op, (x_l, x_r, att, e_t, bias), go)
     out_ref, g_ref = _grads(ref, [t.double() if t is not None else None
-                                  for t in (x_l, x_r, att, e_t)],
+                                  for t in (x_l, x_r, att, e_t, bias)],
                             go.double())
     assert out.dtype == x_l.dtype
     torch.testing.assert_close(out.double(), out_ref, atol=tol, rtol=tol)
-    for name, a, b in zip(['x_l', 'x_r', 'att', 'edge_term'], g, g_ref):
+    names = [n for n, t in zip(['x_l', 'x_r', 'att', 'edge_term', 'bias'],
+                               (x_l, x_r, att, e_t, bias)) if t is not None]
+    for name, a, b in zip(names, g, g_ref):
         assert a.dtype == x_l.dtype, name
         # grad_att sums over every edge: its error grows with the largest
         # term, not with the (possibly cancelled) result
@@ -121,6 +126,104 @@ def test_misaligned_inputs(backend, device):
                                                  C=8)
     _check(rowptr, col, _misaligned(x_l), _misaligned(x_r), _misaligned(e_t),
            _misaligned(att), m, tol=5e-5)
+
+
+def _bias(t, shape=None):
+    """A bias of H * C elements for the inputs ``t`` (x_l's dtype)."""
+    x_l = t[2]
+    H, C = x_l.shape[1], x_l.shape[2]
+    b = torch.randn(H * C, dtype=torch.float64, device=x_l.device)
+    return b.to(x_l.dtype).view(shape or (H * C, ))
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('kind', KINDS)
+def test_bias_graph_shapes(backend, device, kind):
+    """The bias added in the store (empty rows get it) and its gradient,
+    with delta = <grad_out, out - bias> in the backward."""
+    t = _inputs(kind, device)
+    _check(*t, tol=1e-10, bias=_bias(t))
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('H,C', LAYOUTS + [(4, 32), (4, 5)])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64])
+def test_bias_layouts(backend, device, H, C, dtype):
+    """Every CUDA lane layout (heads per lane, channel slots, vector and
+    scalar units) stores and subtracts the bias at the right offsets."""
+    t = _inputs('mixed', device, torch.int32, dtype, H, C)
+    _check(*t, tol=1e-10 if dtype == torch.float64 else 5e-5,
+           bias=_bias(t, (H, C)))
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_bias_misaligned_and_noncontiguous(backend, device):
+    t = _inputs('mixed', device, dtype=torch.float32, H=4, C=8)
+    _check(*t, tol=5e-5, bias=_misaligned(_bias(t)))
+    _check(*t, tol=5e-5, bias=noncontig(_bias(t)))
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_bias_empty_rows_and_lse(backend, device):
+    """Empty rows hold the bias, their lse stays -inf; the lse does not
+    depend on the bias."""
+    t = _inputs('mixed', device)
+    rowptr, col, x_l, x_r, e_t, att, m = t
+    bias = _bias(t)
+    out, lse = ops.gatv2_attention(rowptr, col, x_l, x_r, att, e_t, m,
+                                   return_lse=True, bias=bias)
+    out0, lse0 = ops.gatv2_attention(rowptr, col, x_l, x_r, att, e_t, m,
+                                     return_lse=True)
+    empty = (rowptr[1:] == rowptr[:-1])
+    assert empty.any()
+    assert torch.isneginf(lse[empty]).all()
+    assert torch.equal(lse, lse0)
+    assert torch.equal(out[empty], bias.view(1, 4, 5).expand_as(out[empty]))
+    torch.testing.assert_close(out, out0 + bias.view(4, 5), atol=1e-12,
+                               rtol=0)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('edge', [False, True])
+def test_bias_gradcheck(backend, device, edge):
+    """gradcheck with the bias, on a graph with empty and degree-1 rows."""
+    rowptr, col, x_l, x_r, e_t, att, m = _inputs('mixed', device, H=2, C=3,
+                                                 edge=edge)
+    deg = rowptr[1:] - rowptr[:-1]
+    assert (deg == 0).any() and (deg == 1).any()
+    nondet = 1e-12 if backend == 'reference' and device == 'cuda' else 0.0
+    bias = torch.randn(6, dtype=torch.float64, device=device)
+    args = [x_l, x_r, att, bias] + ([e_t] if edge else [])
+    args = [a.requires_grad_() for a in args]
+
+    def fn(a, b, c, bi, e=None):
+        return ops.gatv2_attention(rowptr, col, a, b, c, e, m, bias=bi)
+
+    assert torch.autograd.gradcheck(fn, args, nondet_tol=nondet)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('dtype', [torch.float16, torch.bfloat16])
+def test_bias_half_precision(backend, device, dtype):
+    """Half inputs and bias, float32 accumulation (delta too): within
+    half-precision error of float32 on the same rounded inputs."""
+    t = _inputs('mixed', device, dtype=torch.float32, H=4, C=8)
+    rowptr, col, x_l, x_r, e_t, att, m = t
+    ts = [u.to(dtype) for u in (x_l, x_r, att, e_t, 3 * _bias(t))]
+    go = torch.randn(rowptr.numel() - 1, 4, 8, device=device).to(dtype)
+    mh = m.to(dtype)
+
+    def op(a, b, c, e, bi):
+        return ops.gatv2_attention(rowptr, col, a, b, c, e, mh, bias=bi)
+
+    out, g = _grads(op, ts, go)
+    out32, g32 = _grads(op, [u.float() for u in ts], go.float())
+    assert out.dtype == dtype
+    rel = lambda a, b: ((a.float() - b).norm() / b.norm()).item()  # noqa
+    assert rel(out, out32) < 1e-2
+    for a, b in zip(g, g32):
+        assert a.dtype == dtype
+        assert rel(a, b) < 3e-2
 
 
 @pytest.mark.parametrize('device', DEVICES)
@@ -241,6 +344,17 @@ def test_checks():
         ops.gatv2_attention(rowptr, col, x_l, x_r, att, e_t[:-1], m)
     with pytest.raises(IndexError):
         ops.gatv2_attention(rowptr, col + 100, x_l, x_r, att, e_t, m)
+    bias = torch.randn(4 * 5, dtype=x_l.dtype)
+    with pytest.raises((RuntimeError, ValueError), match='bias'):
+        ops.gatv2_attention(rowptr, col, x_l, x_r, att, e_t, m,
+                            bias=bias[:-1])
+    op = torch.ops.pyg_fastattn.gatv2_attention
+    with pytest.raises(RuntimeError, match='bias'):  # the kernels' checks
+        op(rowptr, col, x_l, x_r, e_t, att, m, 0.2, bias[:-1], None, None,
+           None)
+    with pytest.raises(RuntimeError, match='bias'):
+        op(rowptr, col, x_l, x_r, e_t, att, m, 0.2, bias.float(), None,
+           None, None)
 
 
 # FastGATv2Conv against GATv2Conv ############################################
@@ -329,6 +443,45 @@ def test_layer_bipartite(backend, device, share):
     _compare(ref, fast, ((x, xd), ei, ea))
     _compare(ref, fast, ((x, xd), ei, ea),
              dict(return_attention_weights=True))
+
+
+BIAS_CONFIGS = [
+    dict(heads=3),
+    dict(heads=3, residual=True),
+    dict(heads=2, edge_dim=3, share_weights=True),
+    dict(heads=2, edge_dim=3, residual=True),
+    dict(heads=1, concat=False),
+    dict(heads=3, concat=False),
+]
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('cfg', BIAS_CONFIGS, ids=str)
+def test_layer_fused_bias(backend, device, cfg, monkeypatch):
+    """The op adds the bias exactly when nothing comes between (concat or
+    one head, no residual); either way the layer equals GATv2Conv (nonzero
+    bias), forward and gradients, with and without attention weights."""
+    biases = []
+    op = ops.gatv2_attention
+
+    def spy(*args, **kwargs):
+        biases.append(kwargs.get('bias'))
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(ops, 'gatv2_attention', spy)
+    x, _, ei, ea = _graph(device)
+    ref, fast = _pair(cfg, device)
+    with torch.no_grad():  # PyG initializes the bias to zeros
+        ref.bias.normal_()
+        fast.bias.copy_(ref.bias)
+    x.requires_grad_()
+    args = (x, ei, ea) if 'edge_dim' in cfg else (x, ei)
+    _compare(ref, fast, args)
+    _compare(ref, fast, args, dict(return_attention_weights=True))
+    fused = ((cfg.get('concat', True) or cfg['heads'] == 1)
+             and not cfg.get('residual', False))
+    assert len(biases) == 2
+    assert all((b is fast.bias) if fused else b is None for b in biases)
 
 
 @pytest.mark.parametrize('device', DEVICES)

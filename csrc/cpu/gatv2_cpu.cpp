@@ -67,16 +67,18 @@ std::vector<at::opmath_type<scalar_t>> to_acc(const scalar_t* p, int64_t n) {
 // Rows split over threads by edge count (parallel_rows). One pass per row
 // with an online softmax per head: running max m, sum den of exp(s - m) and
 // acc of exp(s - m) * mask * x_l[j], rescaled when m grows; divided at the
-// end. The score is computed once per edge and never stored.
+// end (plus the bias). The score is computed once per edge and never stored.
 std::tuple<at::Tensor, at::Tensor> gatv2_attention_cpu(
     const at::Tensor& rowptr_, const at::Tensor& col_, const at::Tensor& x_l_,
     const at::Tensor& x_r_, const OptTensor& edge_term_,
     const at::Tensor& att_, const OptTensor& mask_, double negative_slope,
-    const OptTensor& /*colptr*/, const OptTensor& /*csc_row*/,
-    const OptTensor& /*csc_perm*/) {
-  check_gatv2_attention(rowptr_, col_, x_l_, x_r_, edge_term_, att_, mask_);
+    const OptTensor& bias_, const OptTensor& /*colptr*/,
+    const OptTensor& /*csc_row*/, const OptTensor& /*csc_perm*/) {
+  check_gatv2_attention(rowptr_, col_, x_l_, x_r_, edge_term_, att_, mask_,
+                        bias_);
   const Inputs in =
       contiguous_inputs(rowptr_, col_, x_l_, x_r_, edge_term_, att_, mask_);
+  const at::Tensor bias = cpu::contiguous_or_undefined(bias_);
   const int64_t N = in.rowptr.numel() - 1, E = in.col.numel(),
                 Ns = in.x_l.size(0), H = in.x_l.size(1), C = in.x_l.size(2),
                 HC = H * C;
@@ -96,6 +98,7 @@ std::tuple<at::Tensor, at::Tensor> gatv2_attention_cpu(
       const scalar_t* xl = in.x_l.const_data_ptr<scalar_t>();
       const scalar_t* xr = in.x_r.const_data_ptr<scalar_t>();
       const scalar_t* mask = cpu::data_or_null<scalar_t>(in.mask);
+      const scalar_t* bs = cpu::data_or_null<scalar_t>(bias);
       scalar_t* o = out.data_ptr<scalar_t>();
       acc_t* l = lse.data_ptr<acc_t>();
       cpu::parallel_rows(rp, N, E, 2 * HC, [&](int64_t r0, int64_t r1) {
@@ -141,8 +144,11 @@ std::tuple<at::Tensor, at::Tensor> gatv2_attention_cpu(
             if (m[h] == inf) den[h] = std::numeric_limits<acc_t>::quiet_NaN();
             l[i * H + h] = std::log(den[h]) + (m[h] == -inf ? acc_t(0) : m[h]);
             const acc_t d = den[h] == 0 ? acc_t(1) : den[h];  // empty: acc is 0
-            for (int64_t c = 0; c < C; ++c)
-              o[i * HC + h * C + c] = scalar_t(acc[h * C + c] / d);
+            for (int64_t c = 0; c < C; ++c) {
+              const int64_t q = h * C + c;
+              const acc_t r = acc[q] / d;
+              o[i * HC + q] = scalar_t(bs ? r + acc_t(bs[q]) : r);
+            }
           }
         }
       });
@@ -166,7 +172,8 @@ int64_t first_row_of_cost(const index_t* rowptr, int64_t N, int64_t E,
 
 // Pass 1, by destination row, over kGatv2CpuGroups fixed row groups (in
 // parallel): per edge the score and alpha = exp(s - lse), g = mask *
-// <grad_out[i], x_l[j]>, grad_s = alpha * (g - <grad_out[i], out[i]>) (kept
+// <grad_out[i], x_l[j]>, grad_s = alpha * (g - <grad_out[i], out[i] - bias>)
+// (kept
 // in [E, H]), grad_z = grad_s * att * leaky'(z) summed into grad_x_r[i]
 // (and stored as grad_edge_term[e]), grad_s * leaky(z) into the group's
 // grad_att partial. The partials are summed in group order.
@@ -180,16 +187,17 @@ gatv2_attention_backward_cpu(
     const at::Tensor& csc_row_, const at::Tensor& csc_perm_,
     const at::Tensor& x_l_, const at::Tensor& x_r_, const OptTensor& edge_term_,
     const at::Tensor& att_, const OptTensor& mask_, double negative_slope,
-    const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& grad_out_,
-    bool need_edge) {
+    const OptTensor& bias_, const at::Tensor& out_, const at::Tensor& lse_,
+    const at::Tensor& grad_out_, bool need_edge) {
   check_gatv2_attention_backward(rowptr_, col_, colptr_, csc_row_, csc_perm_,
-                                 x_l_, x_r_, edge_term_, att_, mask_, out_,
-                                 lse_, grad_out_);
+                                 x_l_, x_r_, edge_term_, att_, mask_, bias_,
+                                 out_, lse_, grad_out_);
   const Inputs in =
       contiguous_inputs(rowptr_, col_, x_l_, x_r_, edge_term_, att_, mask_);
   const at::Tensor colptr = colptr_.contiguous(), csc_row = csc_row_.contiguous(),
                    csc_perm = csc_perm_.contiguous(), out = out_.contiguous(),
-                   lse = lse_.contiguous(), grad_out = grad_out_.contiguous();
+                   lse = lse_.contiguous(), grad_out = grad_out_.contiguous(),
+                   bias = cpu::contiguous_or_undefined(bias_);
   const int64_t N = in.rowptr.numel() - 1, E = in.col.numel(),
                 Ns = in.x_l.size(0), H = in.x_l.size(1), C = in.x_l.size(2),
                 HC = H * C;
@@ -221,6 +229,7 @@ gatv2_attention_backward_cpu(
       const scalar_t* xr = in.x_r.const_data_ptr<scalar_t>();
       const scalar_t* mask = cpu::data_or_null<scalar_t>(in.mask);
       const scalar_t* o = out.const_data_ptr<scalar_t>();
+      const scalar_t* bs = cpu::data_or_null<scalar_t>(bias);
       const scalar_t* go = grad_out.const_data_ptr<scalar_t>();
       const acc_t* l = lse.const_data_ptr<acc_t>();
       acc_t* gs_ptr = grad_s.data_ptr<acc_t>();
@@ -243,8 +252,18 @@ gatv2_attention_backward_cpu(
             const auto [b, e] = cpu::row_range(rp, i, E);
             const scalar_t* go_i = go + i * HC;
             for (int64_t q = 0; q < HC; ++q) xr_i[q] = acc_t(xr[i * HC + q]);
-            for (int64_t h = 0; h < H; ++h)
-              delta[h] = cpu::dot(go_i + h * C, o + i * HC + h * C, C);
+            for (int64_t h = 0; h < H; ++h) {  // <grad_out, out - bias>
+              const scalar_t* o_ih = o + i * HC + h * C;
+              if (bs) {
+                acc_t d = 0;
+                for (int64_t c = 0; c < C; ++c)
+                  d += acc_t(go_i[h * C + c]) *
+                       (acc_t(o_ih[c]) - acc_t(bs[h * C + c]));
+                delta[h] = d;
+              } else {
+                delta[h] = cpu::dot(go_i + h * C, o_ih, C);
+              }
+            }
             std::fill(gxr, gxr + HC, acc_t(0));
             for (int64_t k = b; k < e; ++k) {
               const int64_t j = cl[k];

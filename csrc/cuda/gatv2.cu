@@ -121,6 +121,7 @@ struct Gatv2Args {
   const scalar_t* edge_term;  // [E, H, C] or nullptr
   const scalar_t* att;        // [H, C]
   const scalar_t* mask;       // [E, H] or nullptr
+  const scalar_t* bias;       // [H * C] or nullptr
   int64_t N, E, Ns;
   A slope;
   // forward
@@ -183,9 +184,10 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row,
 // (kept in registers, as att), reduce att . leaky(z) per head over the G
 // lanes of the head, update the head's online softmax (max m, sum den) and
 // rescale / accumulate p * mask * x_l[j] into their slots. At the end each
-// lane stores its slots of out = acc / den and lane cl = 0 of a head the
-// row's lse. One warp walks a whole row, so a hub row takes time
-// proportional to its degree (no split of long rows yet).
+// lane stores its slots of out = acc / den + bias (empty rows: the bias)
+// and lane cl = 0 of a head the row's lse. One warp walks a whole row, so a
+// hub row takes time proportional to its degree (no split of long rows
+// yet).
 template <typename scalar_t, typename index_t, int V, int S, bool HEADS>
 __global__ void __launch_bounds__(kBlock)
     gatv2_fwd_kernel(Gatv2Args<scalar_t, index_t> a, Gatv2Layout L) {
@@ -262,8 +264,10 @@ __global__ void __launch_bounds__(kBlock)
   for (int t = 0; t < S; ++t) {
     const int kh = head_slot<S, HEADS>(t);
     const A d = den[kh] == A(0) ? A(1) : den[kh];  // empty row: acc is 0
+    A b[V];
+    load_slot<scalar_t, V>(a.bias, a.bias != nullptr ? sl.off[t] : -1, b);
 #pragma unroll
-    for (int k = 0; k < V; ++k) acc[t][k] = acc[t][k] / d;
+    for (int k = 0; k < V; ++k) acc[t][k] = acc[t][k] / d + b[k];
     store_slot<scalar_t, V>(a.out + i * HC, sl.off[t], acc[t]);
   }
 }
@@ -271,11 +275,11 @@ __global__ void __launch_bounds__(kBlock)
 // Backward pass 1, by destination row: a fixed grid of (at most
 // kGatv2CudaBwdBlocks) blocks x head tiles; warp w of the x grid takes rows
 // w, w + W, w + 2W, ... (W warps). Per row it keeps x_r[i], grad_out[i] and
-// delta = <grad_out[i], out[i]> per head; per edge (one at a time, lanes as
-// in the forward) it reduces s and g = <grad_out[i], x_l[j]> per head, writes
-// grad_s = alpha * (mask * g - delta) (lane cl = 0), grad_z = grad_s * att *
-// leaky'(z) to grad_edge_term[e] and into the row's grad_x_r, and adds
-// grad_s * leaky(z) to the lane's grad_att slots. Each warp stores its
+// delta = <grad_out[i], out[i] - bias> per head; per edge (one at a time,
+// lanes as in the forward) it reduces s and g = <grad_out[i], x_l[j]> per
+// head, writes grad_s = alpha * (mask * g - delta) (lane cl = 0), grad_z =
+// grad_s * att * leaky'(z) to grad_edge_term[e] and into the row's grad_x_r,
+// and adds grad_s * leaky(z) to the lane's grad_att slots. Each warp stores its
 // grad_att partial row (fixed warp -> rows map, summed later in warp order).
 // Positions outside every row of grad_edge_term are zeroed by a grid-stride
 // loop.
@@ -317,10 +321,13 @@ __global__ void __launch_bounds__(kBlock)
 #pragma unroll
       for (int kh = 0; kh < NKH; ++kh) delta[kh] = A(0);
 #pragma unroll
-      for (int t = 0; t < S; ++t)
+      for (int t = 0; t < S; ++t) {
+        A b[V];  // out holds the forward's bias
+        load_slot<scalar_t, V>(a.bias, a.bias != nullptr ? sl.off[t] : -1, b);
 #pragma unroll
         for (int k = 0; k < V; ++k)
-          delta[head_slot<S, HEADS>(t)] += go[t][k] * o[t][k];
+          delta[head_slot<S, HEADS>(t)] += go[t][k] * (o[t][k] - b[k]);
+      }
     }
 #pragma unroll
     for (int kh = 0; kh < NKH; ++kh) {
@@ -568,7 +575,8 @@ Gatv2Args<scalar_t, index_t> make_args(const at::Tensor& rowptr,
                                        const at::Tensor& x_r,
                                        const at::Tensor& edge_term,
                                        const at::Tensor& att,
-                                       const at::Tensor& mask, double slope) {
+                                       const at::Tensor& mask,
+                                       const at::Tensor& bias, double slope) {
   Gatv2Args<scalar_t, index_t> a{};
   a.rowptr = rowptr.data_ptr<index_t>();
   a.col = col.data_ptr<index_t>();
@@ -577,6 +585,7 @@ Gatv2Args<scalar_t, index_t> make_args(const at::Tensor& rowptr,
   a.edge_term = ptr_or_null<scalar_t>(edge_term);
   a.att = att.data_ptr<scalar_t>();
   a.mask = ptr_or_null<scalar_t>(mask);
+  a.bias = ptr_or_null<scalar_t>(bias);
   a.N = rowptr.numel() - 1;
   a.E = col.numel();
   a.Ns = x_l.size(0);
@@ -595,16 +604,17 @@ std::tuple<at::Tensor, at::Tensor> gatv2_attention_cuda(
     const at::Tensor& x_l_in, const at::Tensor& x_r_in,
     const c10::optional<at::Tensor>& edge_term_in, const at::Tensor& att_in,
     const c10::optional<at::Tensor>& mask_in, double negative_slope,
+    const c10::optional<at::Tensor>& bias_in,
     const c10::optional<at::Tensor>& /*colptr*/,
     const c10::optional<at::Tensor>& /*csc_row*/,
     const c10::optional<at::Tensor>& /*csc_perm*/) {
   check_gatv2_attention(rowptr_in, col_in, x_l_in, x_r_in, edge_term_in,
-                        att_in, mask_in);
+                        att_in, mask_in, bias_in);
   c10::cuda::CUDAGuard guard(x_l_in.device());
   const at::Tensor rowptr = rowptr_in.contiguous(), col = col_in.contiguous(),
                    x_l = x_l_in.contiguous(), x_r = x_r_in.contiguous(),
                    att = att_in.contiguous(), edge_term = opt_contig(edge_term_in),
-                   mask = opt_contig(mask_in);
+                   mask = opt_contig(mask_in), bias = opt_contig(bias_in);
   const int64_t N = rowptr.numel() - 1, H = x_l.size(1), C = x_l.size(2);
   at::Tensor out = at::empty({N, H, C}, x_l.options());
   at::Tensor lse = at::empty({N, H}, x_l.options().dtype(opmath_type(x_l.scalar_type())));
@@ -616,12 +626,12 @@ std::tuple<at::Tensor, at::Tensor> gatv2_attention_cuda(
     PFA_DISPATCH_INDEX(rowptr.scalar_type(), "gatv2_attention_cuda", [&] {
       using A = acc_t<scalar_t>;
       auto a = make_args<scalar_t, index_t>(rowptr, col, x_l, x_r, edge_term,
-                                            att, mask, negative_slope);
+                                            att, mask, bias, negative_slope);
       a.out = out.data_ptr<scalar_t>();
       a.lse_out = lse.data_ptr<A>();
       constexpr int VW = vec_width<scalar_t>();
-      const bool vec = C % VW == 0 &&
-                       all_aligned({a.x_l, a.x_r, a.edge_term, a.att, a.out});
+      const bool vec = C % VW == 0 && all_aligned({a.x_l, a.x_r, a.edge_term,
+                                                   a.att, a.bias, a.out});
       const Gatv2Plan P = make_plan(H, C, vec ? VW : 1);
       const dim3 grid(static_cast<unsigned>(ceil_div(N, kWarpsPerBlock)),
                       static_cast<unsigned>(P.L.n_tiles));
@@ -644,11 +654,13 @@ gatv2_attention_backward_cuda(
     const at::Tensor& csc_perm_in, const at::Tensor& x_l_in,
     const at::Tensor& x_r_in, const c10::optional<at::Tensor>& edge_term_in,
     const at::Tensor& att_in, const c10::optional<at::Tensor>& mask_in,
-    double negative_slope, const at::Tensor& out_in, const at::Tensor& lse_in,
+    double negative_slope, const c10::optional<at::Tensor>& bias_in,
+    const at::Tensor& out_in, const at::Tensor& lse_in,
     const at::Tensor& grad_out_in, bool need_edge) {
   check_gatv2_attention_backward(rowptr_in, col_in, colptr_in, csc_row_in,
                                  csc_perm_in, x_l_in, x_r_in, edge_term_in,
-                                 att_in, mask_in, out_in, lse_in, grad_out_in);
+                                 att_in, mask_in, bias_in, out_in, lse_in,
+                                 grad_out_in);
   c10::cuda::CUDAGuard guard(x_l_in.device());
   const at::Tensor rowptr = rowptr_in.contiguous(), col = col_in.contiguous(),
                    colptr = colptr_in.contiguous(),
@@ -656,7 +668,8 @@ gatv2_attention_backward_cuda(
                    csc_perm = csc_perm_in.contiguous(),
                    x_l = x_l_in.contiguous(), x_r = x_r_in.contiguous(),
                    att = att_in.contiguous(), edge_term = opt_contig(edge_term_in),
-                   mask = opt_contig(mask_in), fout = out_in.contiguous(),
+                   mask = opt_contig(mask_in), bias = opt_contig(bias_in),
+                   fout = out_in.contiguous(),
                    lse = lse_in.contiguous(), grad_out = grad_out_in.contiguous();
   const int64_t N = rowptr.numel() - 1, E = col.numel(), Ns = x_l.size(0),
                 H = x_l.size(1), C = x_l.size(2), HC = H * C;
@@ -683,7 +696,7 @@ gatv2_attention_backward_cuda(
     PFA_DISPATCH_INDEX(rowptr.scalar_type(), "gatv2_attention_backward_cuda", [&] {
       using A = acc_t<scalar_t>;
       auto a = make_args<scalar_t, index_t>(rowptr, col, x_l, x_r, edge_term,
-                                            att, mask, negative_slope);
+                                            att, mask, bias, negative_slope);
       a.colptr = colptr.data_ptr<index_t>();
       a.csc_row = csc_row.data_ptr<index_t>();
       a.csc_perm = csc_perm.data_ptr<index_t>();
@@ -697,8 +710,8 @@ gatv2_attention_backward_cuda(
       a.g_e = want_edge ? g_e.data_ptr<scalar_t>() : nullptr;
       constexpr int VW = vec_width<scalar_t>();
       const bool vec = C % VW == 0 &&
-                       all_aligned({a.x_l, a.x_r, a.edge_term, a.att, a.fout,
-                                    a.grad_out, a.g_l, a.g_r, a.g_e});
+                       all_aligned({a.x_l, a.x_r, a.edge_term, a.att, a.bias,
+                                    a.fout, a.grad_out, a.g_l, a.g_r, a.g_e});
       const Gatv2Plan P = make_plan(H, C, vec ? VW : 1);
       auto stream = at::cuda::getCurrentCUDAStream();
       dispatch_plan<scalar_t>(vec, P, [&](auto v, auto s, auto heads) {

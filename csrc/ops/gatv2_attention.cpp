@@ -18,12 +18,14 @@ void check_rows(const at::Tensor& ref, const at::Tensor& t, const char* name,
 }  // namespace
 
 // rowptr [N+1]; col [E]; x_l [Ns, H, C]; x_r [N, H, C]; edge_term [E, H, C];
-// att [H, C]; mask [E, H]. Float tensors share x_l's dtype.
+// att [H, C]; mask [E, H]; bias [H * C elements]. Float tensors share x_l's
+// dtype.
 void check_gatv2_attention(const at::Tensor& rowptr, const at::Tensor& col,
                            const at::Tensor& x_l, const at::Tensor& x_r,
                            const c10::optional<at::Tensor>& edge_term,
                            const at::Tensor& att,
-                           const c10::optional<at::Tensor>& mask) {
+                           const c10::optional<at::Tensor>& mask,
+                           const c10::optional<at::Tensor>& bias) {
   check_rowptr(rowptr);
   check_index(col, rowptr, "col");
   check_float(x_l, "x_l", 3);
@@ -38,6 +40,13 @@ void check_gatv2_attention(const at::Tensor& rowptr, const at::Tensor& col,
   check_same_dtype(x_l, att, "x_l", "att");
   check_size(att, 0, x_l.size(1), "att", "heads of `x_l`");
   check_size(att, 1, x_l.size(2), "att", "channels of `x_l`");
+  if (bias.has_value()) {
+    check_same_device(x_l, *bias, "x_l", "bias");
+    check_same_dtype(x_l, *bias, "x_l", "bias");
+    PFA_CHECK(bias->numel() == x_l.size(1) * x_l.size(2),
+              "`bias` must have H * C = ", x_l.size(1) * x_l.size(2),
+              " elements, got ", bias->numel());
+  }
 }
 
 void check_gatv2_attention_backward(
@@ -45,9 +54,10 @@ void check_gatv2_attention_backward(
     const at::Tensor& csc_row, const at::Tensor& csc_perm,
     const at::Tensor& x_l, const at::Tensor& x_r,
     const c10::optional<at::Tensor>& edge_term, const at::Tensor& att,
-    const c10::optional<at::Tensor>& mask, const at::Tensor& out,
+    const c10::optional<at::Tensor>& mask,
+    const c10::optional<at::Tensor>& bias, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& grad_out) {
-  check_gatv2_attention(rowptr, col, x_l, x_r, edge_term, att, mask);
+  check_gatv2_attention(rowptr, col, x_l, x_r, edge_term, att, mask, bias);
   const int64_t N = rowptr.numel() - 1;
   check_index(colptr, rowptr, "colptr");
   check_size(colptr, 0, x_l.size(0) + 1, "colptr",

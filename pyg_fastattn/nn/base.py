@@ -76,6 +76,9 @@ class FusedAttentionConv(MessagePassing):
       ``mask`` [E', H] (CSR order) or None; ``out`` [N, H, C] (already
       multiplied by ``mask``), ``lse`` [N, H] the row log-sum-exp of the
       scores (float32, float64 for float64 inputs) when ``return_lse``.
+      Called with a keyword ``bias`` (H * C elements, to add to every row
+      of ``out``) only when the subclass passes one to
+      :meth:`fused_propagate`.
     * :meth:`score_at` ``(graph, score, pos, src, dst) -> [K, H]``: the
       pre-softmax scores of the CSR positions ``pos`` [K] (``src``/``dst``
       [K] their nodes); only for ``return_attention_weights``, and only
@@ -143,7 +146,7 @@ class FusedAttentionConv(MessagePassing):
     def fused_propagate(self, graph: PreparedGraph, values: Tensor, x_src,
                         x_dst, edge_attr: Optional[Tensor], edge_index,
                         return_attention_weights=None, weights_after_dropout:
-                        bool = True):
+                        bool = True, bias: Optional[Tensor] = None):
         r"""Score, softmax, dropout and aggregation over ``graph``.
 
         Args:
@@ -156,6 +159,8 @@ class FusedAttentionConv(MessagePassing):
             return_attention_weights: also return the attention weights.
             weights_after_dropout: the returned weights include the dropout
                 mask (GATConv) or not (TransformerConv).
+            bias: H * C elements for :meth:`attend` to add to ``out`` (the
+                subclass's ``attend`` must take it), or None.
 
         Returns:
             ``(out [N, H, C], weights or None)``.
@@ -165,7 +170,10 @@ class FusedAttentionConv(MessagePassing):
         mask = self.dropout_mask(graph.num_aug, values.size(1), values)
         mask = self.per_edge_cast(mask, values.dtype, values.device)
         want = bool(return_attention_weights)
-        out, lse = self.attend(graph, values, score, mask, want)
+        if bias is None:
+            out, lse = self.attend(graph, values, score, mask, want)
+        else:
+            out, lse = self.attend(graph, values, score, mask, want, bias=bias)
         weights = None
         if want:
             weights = self.attention_weights(

@@ -3,6 +3,7 @@ kernel."""
 from dataclasses import dataclass
 from typing import Optional, Tuple, Union
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch_geometric.nn.conv import GATv2Conv
@@ -38,7 +39,9 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
       (training only) and the weighted sum of ``x_l[j]`` in the same kernel;
     * backward: a pass by destination and one over the prepared transpose,
       no atomics, bitwise reproducible;
-    * then, as GATv2Conv: concat or mean over heads, residual, bias.
+    * then, as GATv2Conv: concat or mean over heads, residual, bias (the
+      bias is added by the kernel as it stores ``out`` when nothing comes
+      between and it is in the op's dtype: no extra [N, H * C] tensor).
 
     Shapes (``H`` heads, ``C = out_channels``):
 
@@ -104,22 +107,41 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
             assert self.lin_edge is not None
 
         graph = self.prepare_graph(edge_index, x_l, x_r, None, edge_attr)
+        bias = self.bias
+        fuse = self._fuse_bias(x_l, res)
         out, weights = self.fused_propagate(graph, x_l, x_l, x_r, edge_attr,
                                             edge_index,
-                                            return_attention_weights)
+                                            return_attention_weights,
+                                            bias=bias if fuse else None)
+        if fuse:
+            bias = None
 
-        if self.concat:
+        if self.concat or H == 1:  # the mean of one head is that head
             out = out.view(-1, H * C)
         else:
             out = out.mean(dim=1)
         if res is not None:
             out = out + res
-        if self.bias is not None:
-            out = out + self.bias
+        if bias is not None:
+            out = out + bias
 
         if return_attention_weights:
             return out, weights
         return out
+
+    def _fuse_bias(self, x_l: Tensor, res: Optional[Tensor]) -> bool:
+        """Whether the op adds the bias as it stores ``out``: nothing comes
+        between (concat or one head, no residual) and the bias has the op's
+        dtype (the autocast dtype under autocast), so the sum's dtype is
+        GATv2Conv's."""
+        bias = self.bias
+        if bias is None or res is not None or not (self.concat
+                                                   or self.heads == 1):
+            return False
+        dt = x_l.dtype
+        if torch.is_autocast_enabled(x_l.device.type) and dt != torch.float64:
+            dt = torch.get_autocast_dtype(x_l.device.type)
+        return bias.dtype == dt
 
     # Hooks ##################################################################
 
@@ -134,13 +156,14 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
         return GATv2Score(x_l, x_r, edge_term)
 
     def attend(self, graph: PreparedGraph, values: Tensor, score,
-               mask: Optional[Tensor], return_lse: bool):
-        """Score, softmax, dropout and aggregation in ``gatv2_attention``
-        (``values`` is ``score.x_l``)."""
+               mask: Optional[Tensor], return_lse: bool,
+               bias: Optional[Tensor] = None):
+        """Score, softmax, dropout and aggregation (and ``bias``) in
+        ``gatv2_attention`` (``values`` is ``score.x_l``)."""
         out, lse = ops.gatv2_attention(
             graph.rowptr, graph.col, score.x_l, score.x_r, self.att,
             score.edge_term, mask, self.negative_slope, csc=graph.csc,
-            return_lse=True, validate=False)
+            return_lse=True, validate=False, bias=bias)
         return out, (lse if return_lse else None)
 
     def score_at(self, graph: PreparedGraph, score, pos: Tensor, src: Tensor,

@@ -18,18 +18,21 @@ from .csr import CSC, maybe_csc
 #   out[i] = sum_e p[e] * x_l[j]                   -> out [N, H, C]
 #   lse[i] = log sum_e exp(s[e])                   -> [N, H], float32 (float64)
 # x_l [Ns, H, C], x_r [N, H, C], edge_term [E, H, C] and mask [E, H] in CSR
-# order, att [H, C]. Empty rows give out = 0, lse = -inf. Nothing of size
-# [E, H, C] is stored. colptr/csc_row/csc_perm: the transpose (csr_to_csc),
-# read only by the backward (built there when absent).
+# order, att [H, C]. Empty rows give out = 0, lse = -inf. bias (H * C
+# elements, x_l's dtype) is added to every row of out (empty ones too) in the
+# same store. Nothing of size [E, H, C] is stored. colptr/csc_row/csc_perm:
+# the transpose (csr_to_csc), read only by the backward (built there when
+# absent).
 _lib.define(
     'gatv2_attention(Tensor rowptr, Tensor col, Tensor x_l, Tensor x_r, '
     'Tensor? edge_term, Tensor att, Tensor? mask, float negative_slope, '
-    'Tensor? colptr, Tensor? csc_row, Tensor? csc_perm) -> (Tensor, Tensor)')
+    'Tensor? bias, Tensor? colptr, Tensor? csc_row, Tensor? csc_perm) '
+    '-> (Tensor, Tensor)')
 # (No defaults: the dispatcher drops arguments equal to their defaults, and
 # the autograd formula must see every input.)
 # Gradients, alpha recomputed from lse:
 #   g[e] = mask[e] * <grad_out[i, h], x_l[j, h]>
-#   grad_s[e] = alpha[e] * (g[e] - <grad_out[i, h], out[i, h]>)
+#   grad_s[e] = alpha[e] * (g[e] - <grad_out[i, h], out[i, h] - bias[h]>)
 #   grad_z[e, h, c] = grad_s[e, h] * att[h, c] * leaky_relu'(z[e, h, c])
 #   grad_x_r[i] = sum_{e in row i} grad_z[e];  grad_edge_term[e] = grad_z[e]
 #   grad_att[h, c] = sum_e grad_s[e, h] * leaky_relu(z[e, h, c])
@@ -39,16 +42,16 @@ _lib.define(
 # csc_row, csc_perm) for grad_x_l: every output has one writer, no atomics.
 # Returns (grad_x_l [Ns, H, C], grad_x_r [N, H, C], grad_edge_term [E, H, C]
 # in CSR order (0 outside every row; empty [0] unless need_edge), grad_att
-# [H, C]).
+# [H, C]). grad_bias (the column sum of grad_out) is left to the caller.
 _lib.define(
     'gatv2_attention_backward(Tensor rowptr, Tensor col, Tensor colptr, '
     'Tensor csc_row, Tensor csc_perm, Tensor x_l, Tensor x_r, '
     'Tensor? edge_term, Tensor att, Tensor? mask, float negative_slope, '
-    'Tensor out, Tensor lse, Tensor grad_out, bool need_edge) '
+    'Tensor? bias, Tensor out, Tensor lse, Tensor grad_out, bool need_edge) '
     '-> (Tensor, Tensor, Tensor, Tensor)')
 
 
-def _fake(rowptr, col, x_l, x_r, edge_term, att, mask, negative_slope,
+def _fake(rowptr, col, x_l, x_r, edge_term, att, mask, negative_slope, bias,
           colptr, csc_row, csc_perm):
     N, H, C = rowptr.shape[0] - 1, x_l.shape[1], x_l.shape[2]
     out = x_l.new_empty((N, H, C))
@@ -57,8 +60,8 @@ def _fake(rowptr, col, x_l, x_r, edge_term, att, mask, negative_slope,
 
 
 def _fake_backward(rowptr, col, colptr, csc_row, csc_perm, x_l, x_r,
-                   edge_term, att, mask, negative_slope, out, lse, grad_out,
-                   need_edge):
+                   edge_term, att, mask, negative_slope, bias, out, lse,
+                   grad_out, need_edge):
     g_edge = (x_l.new_empty(edge_term.shape) if need_edge
               and edge_term is not None else x_l.new_empty((0, )))
     return (x_l.new_empty(x_l.shape), x_l.new_empty(x_r.shape), g_edge,
@@ -66,10 +69,10 @@ def _fake_backward(rowptr, col, colptr, csc_row, csc_perm, x_l, x_r,
 
 
 def _setup_context(ctx, inputs, output):
-    (rowptr, col, x_l, x_r, edge_term, att, mask, slope, *csc) = inputs
+    (rowptr, col, x_l, x_r, edge_term, att, mask, slope, bias, *csc) = inputs
     out, lse = output
-    ctx.save_for_backward(rowptr, col, x_l, x_r, edge_term, att, mask, out,
-                          lse, *csc)
+    ctx.save_for_backward(rowptr, col, x_l, x_r, edge_term, att, mask, bias,
+                          out, lse, *csc)
     ctx.negative_slope = slope
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zeros for lse's gradient
@@ -77,18 +80,22 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _grad_lse):
     if grad_out is None:
-        return (None, ) * 11
-    (rowptr, col, x_l, x_r, edge_term, att, mask, out, lse,
+        return (None, ) * 12
+    (rowptr, col, x_l, x_r, edge_term, att, mask, bias, out, lse,
      *csc) = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_edge = bool(need[4]) and edge_term is not None
     csc = maybe_csc(list(csc) + [None], rowptr, col, x_l.size(0))
     g_l, g_r, g_e, g_att = _lib.op('gatv2_attention_backward')(
         rowptr, col, csc.colptr, csc.row, csc.perm, x_l, x_r, edge_term, att,
-        mask, ctx.negative_slope, out, lse, grad_out.contiguous(), need_edge)
+        mask, ctx.negative_slope, bias, out, lse, grad_out.contiguous(),
+        need_edge)
+    g_bias = None
+    if need[8]:
+        g_bias = grad_out.reshape(-1, bias.numel()).sum(0).view(bias.shape)
     return (None, None, g_l if need[2] else None, g_r if need[3] else None,
-            g_e if need_edge else None, g_att if need[5] else None) + (
-                None, ) * 5
+            g_e if need_edge else None, g_att if need[5] else None, None,
+            None, g_bias) + (None, ) * 3
 
 
 _lib.register('gatv2_attention', fake=_fake, backward=_backward,
@@ -100,7 +107,8 @@ def gatv2_attention(rowptr: Tensor, col: Tensor, x_l: Tensor, x_r: Tensor,
                     att: Tensor, edge_term: Optional[Tensor] = None,
                     mask: Optional[Tensor] = None,
                     negative_slope: float = 0.2, csc: Optional[CSC] = None,
-                    return_lse: bool = False, validate: bool = True):
+                    return_lse: bool = False, validate: bool = True,
+                    bias: Optional[Tensor] = None):
     r"""GATv2 attention over a CSR graph (rows = destinations), fused.
 
     Per edge ``e = (j -> i)`` and head ``h``::
@@ -108,7 +116,7 @@ def gatv2_attention(rowptr: Tensor, col: Tensor, x_l: Tensor, x_r: Tensor,
         z = x_l[j] + x_r[i] + edge_term[e]           (edge_term optional)
         s = sum_c att[h, c] * leaky_relu(z[h, c], negative_slope)
         alpha = softmax of s over row i
-        out[i] = sum_e alpha * mask[e] * x_l[j]
+        out[i] = sum_e alpha * mask[e] * x_l[j] + bias
 
     Args:
         rowptr: [N + 1], col: [E] (int32/int64), edges sorted by row.
@@ -119,13 +127,15 @@ def gatv2_attention(rowptr: Tensor, col: Tensor, x_l: Tensor, x_r: Tensor,
         mask: [E, H] dropout multiplier in CSR order (no gradient).
         csc: the transpose (:func:`csr_to_csc`), reused by backward.
         validate: check ``rowptr``/``col`` values (one host sync).
+        bias: H * C elements added to every row of ``out`` (empty rows
+            too) as the kernel stores it.
 
     Returns:
         ``out`` [N, H, C] (and the row log-sum-exp [N, H] when
-        ``return_lse``). Differentiable in ``x_l``, ``x_r``, ``edge_term``
-        and ``att``; the scores are computed on the fly, nothing of size
-        [E, H, C] is stored in forward or backward (besides the gradient of
-        ``edge_term``).
+        ``return_lse``). Differentiable in ``x_l``, ``x_r``, ``edge_term``,
+        ``att`` and ``bias``; the scores are computed on the fly, nothing of
+        size [E, H, C] is stored in forward or backward (besides the gradient
+        of ``edge_term``).
     """
     check_tensor(rowptr, 'rowptr', dims=(1, ), floating=False)
     check_tensor(col, 'col', dims=(1, ), floating=False)
@@ -133,20 +143,21 @@ def gatv2_attention(rowptr: Tensor, col: Tensor, x_l: Tensor, x_r: Tensor,
     check_tensor(x_r, 'x_r', dims=(3, ), floating=True)
     check_tensor(att, 'att', dims=(2, 3), floating=True)
     check_same_device(rowptr=rowptr, col=col, x_l=x_l, x_r=x_r, att=att,
-                      edge_term=edge_term, mask=mask)
+                      edge_term=edge_term, mask=mask, bias=bias)
     H, C = x_l.shape[1], x_l.shape[2]
-    if att.numel() != H * C:
-        raise ValueError(f'`att` must have H * C = {H * C} elements, got '
-                         f'shape {tuple(att.shape)}')
+    for name, t in (('att', att), ('bias', bias)):
+        if t is not None and t.numel() != H * C:
+            raise ValueError(f'`{name}` must have H * C = {H * C} elements, '
+                             f'got shape {tuple(t.shape)}')
     rowptr, col = index_pair(rowptr, col)
     if validate:
         check_csr(rowptr, col, col.numel(), x_l.size(0))
     dt = x_l.dtype
     args = [t.to(dt) if t is not None else None
-            for t in (x_r, edge_term, att.reshape(H, C), mask)]
-    x_r, edge_term, att, mask = args
+            for t in (x_r, edge_term, att.reshape(H, C), mask, bias)]
+    x_r, edge_term, att, mask, bias = args
     csc_args = tuple(csc)[:3] if csc is not None else (None, ) * 3
     out, lse = _lib.op('gatv2_attention')(rowptr, col, x_l, x_r, edge_term,
                                           att, mask, float(negative_slope),
-                                          *csc_args)
+                                          bias, *csc_args)
     return (out, lse) if return_lse else out
