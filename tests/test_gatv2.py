@@ -177,7 +177,12 @@ def test_bias_empty_rows_and_lse(backend, device):
     empty = (rowptr[1:] == rowptr[:-1])
     assert empty.any()
     assert torch.isneginf(lse[empty]).all()
-    assert torch.equal(lse, lse0)
+    # bitwise for the native kernels; the reference's CUDA index_add uses
+    # atomics, so two of its runs differ in the last bits
+    if backend == 'native' or device == 'cpu':
+        assert torch.equal(lse, lse0)
+    else:
+        torch.testing.assert_close(lse, lse0)
     assert torch.equal(out[empty], bias.view(1, 4, 5).expand_as(out[empty]))
     torch.testing.assert_close(out, out0 + bias.view(4, 5), atol=1e-12,
                                rtol=0)
