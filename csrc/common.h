@@ -75,6 +75,13 @@ namespace pyg_fastattn {
 constexpr int64_t kSplitEdges = 4096;
 constexpr int64_t kSplitChunk = 2048;
 
+// gat_attention on CUDA: graphs with h of at most this many elements take
+// the score-term kernels of gat_score.cu (host-bound sizes: one launch
+// instead of a GEMM and five helpers), larger ones the block-diagonal GEMM;
+// the backward's column sums take at least kGatScoreRows rows per block.
+constexpr int64_t kGatScoreKernelElems = int64_t(1) << 24;
+constexpr int64_t kGatScoreRows = 64;
+
 // CUDA edge_softmax one-pass path: score elements a lane holds in registers
 // in the forward (the backward half as many of each of out and grad_out;
 // double half as many again). Rows whose span fits the lanes of their group

@@ -13,6 +13,18 @@
 #include "../common.h"
 
 namespace pyg_fastattn {
+#ifdef PFA_WITH_CUDA
+namespace cuda {  // csrc/cuda/gat_score.cu
+std::tuple<at::Tensor, at::Tensor> gat_score_cuda(const at::Tensor& h,
+                                                  const at::Tensor& att_src,
+                                                  const at::Tensor& att_dst);
+std::tuple<at::Tensor, at::Tensor> gat_score_backward_cuda(
+    const at::Tensor& h, at::Tensor& g_h, const at::Tensor& g_src,
+    const at::Tensor& g_dst, const at::Tensor& att_src,
+    const at::Tensor& att_dst);
+}  // namespace cuda
+#endif
+
 namespace {
 
 using OptTensor = c10::optional<at::Tensor>;
@@ -81,6 +93,22 @@ at::Tensor score_weight_grad(const at::Tensor& P, int64_t H, int64_t C,
 
 at::Tensor flat(const at::Tensor& h) { return h.reshape({h.size(0), -1}); }
 
+// Whether the score terms of both sides of h [N, H, C] go through the small
+// graph kernels of gat_score.cu (one launch each way) instead of the
+// block-diagonal GEMM and its helpers.
+bool score_kernel(const at::Tensor& h, const at::Tensor& att_src,
+                  const at::Tensor& att_dst) {
+#ifdef PFA_WITH_CUDA
+  return h.is_cuda() && h.is_contiguous() &&
+         h.numel() <= kGatScoreKernelElems &&
+         att_src.scalar_type() == h.scalar_type() &&
+         att_dst.scalar_type() == h.scalar_type();
+#else
+  (void)h, (void)att_src, (void)att_dst;
+  return false;
+#endif
+}
+
 at::Tensor none_like(const at::Tensor& ref) { return at::empty({0}, ref.options()); }
 
 OptTensor opt(const at::Tensor& t) {
@@ -141,7 +169,11 @@ gat_attention(const at::Tensor& rowptr, const at::Tensor& col,
                            : h_src->reshape({-1, H, C}).contiguous();
   const int64_t Ns = h.size(0);
   at::Tensor a_src, a_dst;
-  if (dst_is_src) {  // one GEMM for both terms
+  if (dst_is_src && score_kernel(h, att_src, att_dst)) {
+#ifdef PFA_WITH_CUDA
+    std::tie(a_src, a_dst) = cuda::gat_score_cuda(h, att_src, att_dst);
+#endif
+  } else if (dst_is_src) {  // one GEMM for both terms
     const at::Tensor a = h.view({Ns, HC}).mm(score_weight(at::cat({att_src, att_dst})));
     a_src = a.slice(1, 0, H).contiguous();
     a_dst = a.slice(1, H, 2 * H).contiguous();
@@ -187,13 +219,24 @@ std::vector<at::Tensor> gat_attention_backward(
     g_dst = call_segment_sum(rowptr, need_edge ? OptTensor() : OptTensor(csc_inv), g_z);
   at::Tensor g_h2 = g_h.view({Ns, HC});
   at::Tensor g_x, g_w, g_h_dst, g_att_src, g_att_dst;
-  if (dst_is_src) {
+  const bool through_x = weight.has_value() && !need_x && x->size(1) <= 2 * HC;
+  if (dst_is_src && !through_x && g_h.is_contiguous() &&
+      score_kernel(h, att_src, att_dst)) {
+#ifdef PFA_WITH_CUDA
+    std::tie(g_att_src, g_att_dst) = cuda::gat_score_backward_cuda(
+        h, g_h, g_src, g_dst, att_src, att_dst);
+#endif
+    if (weight.has_value()) {
+      if (need_x) g_x = g_h2.mm(*weight);
+      if (need_w) g_w = g_h2.t().mm(*x);
+    }
+  } else if (dst_is_src) {
     const at::Tensor B = score_weight(at::cat({att_src, att_dst}));
     const at::Tensor g_a = at::cat({g_src, g_dst}, 1);
     at::Tensor P;
     // Through x when x is no wider than about h: a wide x (Cora's 1433
     // features) costs more to read than g_h's update.
-    if (weight.has_value() && !need_x && x->size(1) <= 2 * HC) {
+    if (through_x) {
       const at::Tensor M = x->t().mm(g_a);
       if (need_w) g_w = g_h2.t().mm(*x).addmm_(B, M.t());
       P = weight->mm(M);
