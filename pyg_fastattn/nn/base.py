@@ -181,6 +181,22 @@ class FusedAttentionConv(MessagePassing):
                 mask if weights_after_dropout else None)
         return out, weights
 
+    def combine_heads(self, out: Tensor, res: Optional[Tensor],
+                      bias: Optional[Tensor]) -> Tensor:
+        """The layer output from ``out`` [N, H, C], as PyG's GAT layers: heads
+        concatenated (or averaged with ``concat=False``), then the residual
+        ``res``, then ``bias`` (None when the op added it already)."""
+        H, C = self.heads, self.out_channels
+        if self.concat or H == 1:  # the mean of one head is that head
+            out = out.view(-1, H * C)
+        else:
+            out = out.mean(dim=1)
+        if res is not None:
+            out = out + res
+        if bias is not None:
+            out = out + bias
+        return out
+
     @staticmethod
     def per_edge_cast(t: Optional[Tensor], dtype: torch.dtype,
                       device: torch.device) -> Optional[Tensor]:

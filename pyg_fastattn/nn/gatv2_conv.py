@@ -116,15 +116,7 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
         if fuse:
             bias = None
 
-        if self.concat or H == 1:  # the mean of one head is that head
-            out = out.view(-1, H * C)
-        else:
-            out = out.mean(dim=1)
-        if res is not None:
-            out = out + res
-        if bias is not None:
-            out = out + bias
-
+        out = self.combine_heads(out, res, bias)
         if return_attention_weights:
             return out, weights
         return out
