@@ -216,6 +216,9 @@ constexpr int kGraphItems = 8;
 // CUDA: the sort paths write pointer entries at key boundaries; a run of
 // empty rows longer than this sends the whole pointer to a binary search.
 constexpr int64_t kGraphPtrGap = 64;
+// CUDA: bytes of inv that csc_build scatters per pass (the slice stays in L2;
+// PYG_FASTATTN_INV_PASS_BYTES=n, tests, sets n).
+constexpr int64_t kGraphInvPassBytes = int64_t(16) << 20;
 
 void check_csr_build(const at::Tensor& src, const at::Tensor& dst,
                      int64_t num_src, int64_t num_dst, bool add_self_loops);

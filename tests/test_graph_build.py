@@ -10,7 +10,7 @@ import pyg_fastattn.nn.graph as graph_mod
 from pyg_fastattn import _build, prepare
 from pyg_fastattn.ops import csr_to_csc
 
-from conftest import DEVICES
+from conftest import DEVICES, requires_cuda
 from test_prepare import make_edges
 
 
@@ -136,14 +136,11 @@ def test_same_as_torch_path(device, dtype, add_self_loops, order, case):
         assert_same(graph_mod._build_csc(rowptr, col, ns), want_csc)
 
 
-@pytest.mark.parametrize('device', DEVICES)
-@pytest.mark.parametrize('dtype', [torch.int32, torch.int64])
-@pytest.mark.parametrize('size', ['small', 'tiles'])
-def test_csc_of_any_csr(device, dtype, size):
-    """csc_build on CSRs with empty rows, a tail outside every row and a
-    num_cols beyond the largest column; 'tiles': many CUDA tiles (2048
-    positions), a long run of empty rows and a row across several tiles."""
-    native_or_skip(device)
+def any_csr(device, dtype, size):
+    """(rowptr, col, num_cols): a CSR with empty rows, a tail outside every
+    row and num_cols beyond the largest column; 'tiles': many CUDA tiles
+    (2048 positions), a long run of empty rows and a row across several
+    tiles."""
     gen = torch.Generator().manual_seed(3)
     N, E, num_cols = (60, 500, 45) if size == 'small' else (6000, 70000, 900)
     deg = torch.randint(0, 12, (N, ), generator=gen)
@@ -155,9 +152,35 @@ def test_csc_of_any_csr(device, dtype, size):
     rowptr = (rowptr * (E - 40) // int(rowptr[-1])).to(device, dtype)
     col = torch.randint(0, num_cols - 5, (E, ), generator=gen)
     col = col.to(device, dtype)
+    return rowptr, col, num_cols
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('dtype', [torch.int32, torch.int64])
+@pytest.mark.parametrize('size', ['small', 'tiles'])
+def test_csc_of_any_csr(device, dtype, size):
+    """csc_build on the CSRs of any_csr, with num_cols and num_cols - 5."""
+    native_or_skip(device)
+    rowptr, col, num_cols = any_csr(device, dtype, size)
     for n_cols in (num_cols, num_cols - 5):
         assert_same(torch.ops.pyg_fastattn.csc_build(rowptr, col, n_cols),
                     csr_to_csc(rowptr, col, n_cols, validate=False))
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize('dtype', [torch.int32, torch.int64])
+@pytest.mark.parametrize('size,pass_bytes', [('small', 4), ('small', 1200),
+                                             ('tiles', 12000)])
+def test_csc_inv_in_passes(dtype, size, pass_bytes, monkeypatch):
+    """PYG_FASTATTN_INV_PASS_BYTES (read at every launch) splits the CUDA
+    inv scatter into passes of pass_bytes // index size entries (at least
+    1; the last range partial): the same CSC as the torch path."""
+    native_or_skip('cuda')
+    monkeypatch.setenv('PYG_FASTATTN_INV_PASS_BYTES', str(pass_bytes))
+    rowptr, col, num_cols = any_csr('cuda', dtype, size)
+    assert_same(torch.ops.pyg_fastattn.csc_build(rowptr, col, num_cols),
+                csr_to_csc(rowptr, col, num_cols, validate=False))
 
 
 @pytest.mark.parametrize('device', DEVICES)

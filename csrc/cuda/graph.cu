@@ -10,8 +10,9 @@
 //                -> cub min-scan of the marks -> rowptr / loop kernel ->
 //                fix-up kernel (a no-op unless dst decreases somewhere).
 // CSC:           tiled keys kernel -> cub radix sort (column, row << 32 | CSR
-//                position) -> finish kernel (with the pointer) -> pointer
-//                fallback.
+//                position) -> finish kernel (with the pointer; the inv
+//                scatter in passes over ranges of CSR positions that fit
+//                L2) -> pointer fallback.
 // Keys are uint32, positions and indices fit 31 bits (check_*_build bounds
 // the sizes), so a uint64 value carries an index with its position through
 // the sort and no kernel gathers at random. cub's radix sort is stable, so
@@ -354,26 +355,44 @@ __global__ void __launch_bounds__(kGraphBlock)
 }
 
 // CSC. One thread per CSC position k (grid-stride): the value sorted there
-// (row << 32 | CSR position e) gives perm[k] = e, row[k] and inv[e] = k
-// (the one random access, a write); the sorted keys give colptr entries
-// (ptr_at).
+// (row << 32 | CSR position e) gives inv[e] = k for e in [lo, hi) (the one
+// random access, a write) and, when first, perm[k] = e, row[k] and the
+// colptr entries of the sorted keys (ptr_at). csc_build launches it once
+// per range of e whose inv slice fits kGraphInvPassBytes, so the scatter of
+// each pass merges in L2; the values are read with an evict-first hint.
 template <typename index_t>
 __global__ void csc_finish_kernel(const uint64_t* __restrict__ val,
                                   const uint32_t* __restrict__ keys,
-                                  int64_t E, int64_t num_cols,
+                                  int64_t E, int64_t num_cols, int64_t lo,
+                                  int64_t hi, bool first,
                                   index_t* __restrict__ perm,
                                   index_t* __restrict__ inv,
                                   index_t* __restrict__ row,
                                   index_t* __restrict__ colptr,
                                   int32_t* __restrict__ fallback) {
   PFA_GRID_STRIDE(k, E) {
-    const uint64_t v = val[k];
+    const uint64_t v =
+        __ldcs(reinterpret_cast<const unsigned long long*>(val) + k);
     const int64_t e = static_cast<int64_t>(v & 0xffffffffu);
-    perm[k] = static_cast<index_t>(e);
-    row[k] = static_cast<index_t>(v >> 32);
-    inv[e] = static_cast<index_t>(k);
-    ptr_at(keys, E, num_cols, k, colptr, fallback);
+    if (e >= lo && e < hi) inv[e] = static_cast<index_t>(k);
+    if (first) {
+      perm[k] = static_cast<index_t>(e);
+      row[k] = static_cast<index_t>(v >> 32);
+      ptr_at(keys, E, num_cols, k, colptr, fallback);
+    }
   }
+}
+
+// Entries of inv per csc_finish_kernel pass (at least 1): kGraphInvPassBytes,
+// or PYG_FASTATTN_INV_PASS_BYTES when set (tests), over index_bytes; read at
+// every launch.
+inline int64_t inv_pass_entries(int64_t index_bytes) {
+  int64_t bytes = kGraphInvPassBytes;
+  if (const char* env = std::getenv("PYG_FASTATTN_INV_PASS_BYTES")) {
+    const long long n = std::atoll(env);
+    if (n > 0) bytes = n;
+  }
+  return std::max<int64_t>(1, bytes / index_bytes);
 }
 
 // Stable sort of n (key, value) pairs by key bits [0, end_bit), in place
@@ -548,10 +567,16 @@ Outputs4 csc_build_cuda(const at::Tensor& rowptr_, const at::Tensor& col_,
     sort_pairs(kb, vb, E, key_bits(num_cols), opt, stream);
     index_t* cp = colptr.data_ptr<index_t>();
     if (E > 0) {
-      csc_finish_kernel<index_t><<<graph_blocks(E), kGraphBlock, 0, stream>>>(
-          vb.Current(), kb.Current(), E, num_cols, perm.data_ptr<index_t>(),
-          inv.data_ptr<index_t>(), row.data_ptr<index_t>(), cp, fallback);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const int64_t pass = inv_pass_entries(sizeof(index_t));
+      for (int64_t lo = 0; lo < E; lo += pass) {
+        const int64_t hi = E - lo > pass ? lo + pass : E;
+        csc_finish_kernel<index_t>
+            <<<graph_blocks(E), kGraphBlock, 0, stream>>>(
+                vb.Current(), kb.Current(), E, num_cols, lo, hi, lo == 0,
+                perm.data_ptr<index_t>(), inv.data_ptr<index_t>(),
+                row.data_ptr<index_t>(), cp, fallback);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     }
     ptr_fallback_kernel<index_t>
         <<<graph_blocks(num_cols + 1), kGraphBlock, 0, stream>>>(
