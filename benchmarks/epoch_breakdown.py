@@ -24,6 +24,8 @@ from torch_geometric.nn import GATConv
 from pyg_fastattn import FastGATConv
 from pyg_fastattn.datasets import load_planetoid
 
+from bench_gat import GAT, FloorConv  # noqa: E402 (this folder)
+
 
 def main():
     dev = torch.device(sys.argv[1] if len(sys.argv) > 1 else
@@ -32,25 +34,16 @@ def main():
     data = ds[0].to(dev)
     x, ei, y, m = data.x, data.edge_index, data.y, data.train_mask
     torch.manual_seed(0)
-    class Net(torch.nn.Module):
-        def __init__(self, conv, p_att=0.6):
-            super().__init__()
-            self.c1 = conv(1433, 8, heads=8, dropout=p_att)
-            self.c2 = conv(64, 7, heads=1, concat=False, dropout=p_att)
-        def forward(self, x, ei):
-            x = F.dropout(x, 0.6, self.training)
-            x = F.elu(self.c1(x, ei))
-            x = F.dropout(x, 0.6, self.training)
-            return self.c2(x, ei)
-    class Floor(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.c1 = torch.nn.Linear(1433, 64); self.c2 = torch.nn.Linear(64, 7)
-        def forward(self, x, ei):
-            x = F.dropout(x, 0.6, self.training)
-            x = F.elu(self.c1(x))
-            x = F.dropout(x, 0.6, self.training)
-            return self.c2(x)
+    nf, nc = data.num_features, int(y.max()) + 1
+
+    def Net(conv, p_att=0.6):  # PyG's example GAT; p_att: attention dropout
+        model = GAT(conv, nf, 8, nc)
+        model.conv1.dropout = model.conv2.dropout = p_att
+        return model
+
+    def Floor():  # each attention layer replaced by its lin + bias
+        return GAT(FloorConv, nf, 8, nc)
+
     def sync():
         if dev.type == 'cuda': torch.cuda.synchronize()
     def mk_step(model, what):

@@ -214,7 +214,8 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
     ``compile_rng``: 'inductor' (compiled dropout draws from inductor's own
     random streams, so a seed gives other masks than eager) or 'eager'
     (``torch._inductor.config.fallback_random``: eager's masks, to compare
-    compiled training with eager's run by run). ``cuda_graph`` refuses ``compile`` and ``amp='fp16'`` (ValueError)."""
+    compiled training with eager's run by run). ``cuda_graph`` refuses
+    ``compile`` and ``amp='fp16'`` (ValueError)."""
     amp, compile = _check_options(amp, compile, cuda_graph)
     if compile_rng not in ('inductor', 'eager'):
         raise ValueError(f"compile_rng must be 'inductor' or 'eager', got "
@@ -222,9 +223,12 @@ def train(data, layer='fast', epochs=200, lr=0.005, weight_decay=5e-4,
     if compile != 'none' and compile_rng == 'eager':
         import torch._inductor.config as inductor_config
         with inductor_config.patch(fallback_random=True):
-            return train(data, layer, epochs, lr, weight_decay, hidden,
-                         heads, dropout, device, seed, log_every, cuda_graph,
-                         measure_memory, log, amp, compile, family)
+            return train(data, layer, epochs=epochs, lr=lr,
+                         weight_decay=weight_decay, hidden=hidden,
+                         heads=heads, dropout=dropout, device=device,
+                         seed=seed, log_every=log_every,
+                         cuda_graph=cuda_graph, measure_memory=measure_memory,
+                         log=log, amp=amp, compile=compile, family=family)
     device = torch.device(device or ('cuda' if torch.cuda.is_available()
                                      else 'cpu'))
     num_classes = int(data.y.max()) + 1
