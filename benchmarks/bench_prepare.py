@@ -25,8 +25,10 @@ Workloads
                sampler gives: zero_grad, forward, cross-entropy over all
                nodes, backward, step. Providers: ``fast`` (plain tensor,
                random order), ``fast_sorted`` (``EdgeIndex`` sorted by
-               destination), ``pyg`` (GATConv eager) and ``pyg_compile``
-               (``torch.compile`` of the PyG model; same shapes every step).
+               destination), ``floor`` (each attention layer replaced by
+               its Linear + bias: the step's cost without attention),
+               ``pyg`` (GATConv eager) and ``pyg_compile`` (``torch.compile``
+               of the PyG model; same shapes every step).
                The new graph is a fresh tensor (a copy of one of a few
                pre-made graphs, made outside the timed region), so no cache
                can hit.
@@ -131,6 +133,8 @@ def step_workload(N, E, dev, args, providers):
     from torch_geometric import EdgeIndex
     from torch_geometric.nn import GATConv
 
+    from bench_gat import FloorConv, load_matching
+
     from pyg_fastattn import FastGATConv
     torch.manual_seed(0)
     x = torch.randn(N, 128, device=dev)
@@ -156,6 +160,9 @@ def step_workload(N, E, dev, args, providers):
         rec = {'workload': 'step', 'nodes': N, 'edges': E, 'input': prov}
         if prov == 'pyg':
             model = ref
+        elif prov == 'floor':  # attention layers replaced by their Linear
+            model = GAT(FloorConv).to(dev)
+            load_matching(model, ref.state_dict(), strict=False)
         else:
             model = GAT(FastGATConv if prov.startswith('fast') else
                         GATConv).to(dev)
@@ -189,6 +196,8 @@ def step_workload(N, E, dev, args, providers):
             for b in ('pyg', 'pyg_compile'):
                 if base.get(b):
                     r[f'speedup_vs_{b}'] = base[b] / r['median_ms']
+            if base.get('floor'):
+                r['x_floor'] = r['median_ms'] / base['floor']
     return rows
 
 
@@ -206,7 +215,8 @@ def markdown(meta, rows):
             ('input / provider', 'input'), ('median ms', 'median_ms'),
             ('p10', 'p10_ms'), ('p90', 'p90_ms'), ('host ms', 'host_ms'),
             ('x pyg', 'speedup_vs_pyg'),
-            ('x pyg_compile', 'speedup_vs_pyg_compile'), ('status', 'status')]
+            ('x pyg_compile', 'speedup_vs_pyg_compile'),
+            ('x floor', 'x_floor'), ('status', 'status')]
     return '\n'.join(['# Graph preparation and fresh-graph steps', ''] +
                      [f'- {line}' for line in env_lines(meta)] +
                      ['', md_table(rows, cols)])
@@ -223,7 +233,7 @@ def main(argv=None):
     ap.add_argument('--step-size', default=None,
                     help='nodes:edges of the fresh-graph step '
                          '(default 60k:600k; --quick 3k:30k)')
-    ap.add_argument('--providers', default='fast,fast_sorted,pyg,pyg_compile')
+    ap.add_argument('--providers', default='fast,fast_sorted,floor,pyg,pyg_compile')
     ap.add_argument('--skip', default='', help='prepare,step')
     ap.add_argument('--out', default='bench_out')
     add_timing_args(ap)
