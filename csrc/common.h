@@ -220,6 +220,13 @@ constexpr int64_t kGraphPtrGap = 64;
 // PYG_FASTATTN_INV_PASS_BYTES=n, tests, sets n).
 constexpr int64_t kGraphInvPassBytes = int64_t(16) << 20;
 
+// csr_build's status bits: a source outside [0, num_src), a destination
+// outside [0, num_dst), a destination smaller than the one before it (set
+// for input declared sorted, and always on the CPU).
+constexpr int32_t kGraphBadSrc = 1;
+constexpr int32_t kGraphBadDst = 2;
+constexpr int32_t kGraphUnsorted = 4;
+
 void check_csr_build(const at::Tensor& src, const at::Tensor& dst,
                      int64_t num_src, int64_t num_dst, bool add_self_loops);
 void check_csc_build(const at::Tensor& rowptr, const at::Tensor& col,

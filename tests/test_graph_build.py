@@ -124,9 +124,10 @@ def test_same_as_torch_path(device, dtype, add_self_loops, order, case):
         s, d = edge_rows(src, dst, dtype, device, layout)
         want = graph_mod._build_csr_torch(s, d, ns, nd, add_self_loops,
                                           is_sorted, None)
-        got = torch.ops.pyg_fastattn.csr_build(s, d, ns, nd, add_self_loops,
-                                               is_sorted)
+        *got, status = torch.ops.pyg_fastattn.csr_build(
+            s, d, ns, nd, add_self_loops, is_sorted)
         assert_same(got, want)
+        assert int(status.item()) & (7 if is_sorted else 3) == 0
         assert_same(graph_mod._build_csr(s, d, ns, nd, add_self_loops,
                                          is_sorted, None), want)
         rowptr, col = want[:2]
@@ -210,8 +211,63 @@ def test_declared_sorted_but_not_stays_in_range(device):
     native_or_skip(device)
     gen = torch.Generator().manual_seed(3)
     _, shuffled = make_edges(10, 10, 60, True, gen, device)
-    rowptr, col, perm, _, _ = torch.ops.pyg_fastattn.csr_build(
+    rowptr, col, perm, _, _, _ = torch.ops.pyg_fastattn.csr_build(
         shuffled[0], shuffled[1], 10, 10, True, True)
     assert 0 <= int(perm.min()) and int(perm.max()) < 70
     assert 0 <= int(col.min()) and int(col.max()) < 10
     assert int(rowptr[-1]) <= 70 and bool((rowptr.diff() >= 0).all())
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('dtype', [torch.int32, torch.int64])
+@pytest.mark.parametrize('add_self_loops', [True, False])
+@pytest.mark.parametrize('is_sorted', [True, False])
+def test_status_bits(device, dtype, add_self_loops, is_sorted):
+    """csr_build's status: 1 = a source out of range, 2 = a destination out
+    of range, 4 = a decrease in dst (reported for input declared sorted;
+    the CPU build reports it always). Bad input builds without a crash."""
+    native_or_skip(device)
+    ns, nd = 6, 5
+    good = torch.tensor([[0, 5, 1, 2, 3], [0, 1, 1, 3, 4]])
+    cases = [(good, 0), (torch.tensor([[0, 6, 1], [0, 1, 2]]), 1),
+             (torch.tensor([[0, -1, 1], [0, 1, 2]]), 1),
+             (torch.tensor([[0, 1, 1], [0, 1, 5]]), 2),
+             (torch.tensor([[0, 1, 1], [-1, 1, 2]]), 2),
+             (torch.tensor([[0, 1, 2], [2, 1, 3]]), 4),
+             (torch.tensor([[9, 1, 2], [2, 1, 7]]), 7)]
+    for ei, bits in cases:
+        ei = ei.to(device, dtype)
+        out = torch.ops.pyg_fastattn.csr_build(ei[0], ei[1], ns, nd,
+                                               add_self_loops, is_sorted)
+        got = int(out[5].item())
+        want = bits if (is_sorted or device == 'cpu') else bits & 3
+        assert got == want, (ei.tolist(), got, want)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize('is_sorted', [True, False])
+def test_async_validation_from_status(is_sorted):
+    """validate='async' on CUDA checks the build's status on the device:
+    good input passes without a host sync, bad input fails at the next
+    synchronization (a device-side assert; run in a subprocess, which it
+    kills)."""
+    import subprocess
+    import sys
+    ei = torch.tensor([[0, 1, 2], [0, 1, 2]], device='cuda')
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode('error')
+    try:
+        prepare(ei, num_nodes=3, sorted=is_sorted, validate='async')
+    finally:
+        torch.cuda.set_sync_debug_mode('default')
+    torch.cuda.synchronize()
+    code = ('import torch; from pyg_fastattn import prepare; '
+            "ei = torch.tensor([[0, 1, 7], [0, 1, 2]], device='cuda'); "
+            f'prepare(ei, num_nodes=3, sorted={is_sorted}, '
+            "validate='async'); torch.cuda.synchronize()")
+    r = subprocess.run([sys.executable, '-c', code], capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode != 0
+    assert 'out of range' in r.stderr or 'assert' in r.stderr.lower(), \
+        r.stderr[-2000:]

@@ -271,13 +271,13 @@ def test_edge_index_reaches_the_build_as_plain_tensors(monkeypatch):
     itself through ``as_subclass`` and sends every op through its
     ``__torch_dispatch__`` (on CPU that made a small prepare 4x slower)."""
     seen = []
-    validate = graph_mod._validate
+    csr_of = graph_mod._csr_of
 
     def spy(src, dst, *args):
         seen.append((type(src), type(dst)))
-        return validate(src, dst, *args)
+        return csr_of(src, dst, *args)
 
-    monkeypatch.setattr(graph_mod, '_validate', spy)
+    monkeypatch.setattr(graph_mod, '_csr_of', spy)
     ei = EdgeIndex(torch.tensor([[0, 1, 2], [0, 0, 1]]), sparse_size=(3, 3),
                    sort_order='col')
     g = prepare(ei)

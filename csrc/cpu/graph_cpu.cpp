@@ -8,15 +8,16 @@ namespace pyg_fastattn {
 namespace {
 
 using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-using Outputs5 =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Outputs6 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                            at::Tensor, at::Tensor>;
 
 // Augmented edges (the E input edges, then the L loops (i, i)) sorted by key
 // = destination, num_dst for a removed self-loop, i for loop i: one pass
 // counts keys, a prefix sum gives the row starts, a second pass places the
 // edges in order, so equal keys keep input order. Serial; the same result
 // for sorted and unsorted input (is_sorted only saves the GPU its sort).
-Outputs5 csr_build_cpu(const at::Tensor& src, const at::Tensor& dst,
+// The counting pass also sets the status bits (every one of them).
+Outputs6 csr_build_cpu(const at::Tensor& src, const at::Tensor& dst,
                        int64_t num_src, int64_t num_dst, bool add_self_loops,
                        bool /*is_sorted*/) {
   check_csr_build(src, dst, num_src, num_dst, add_self_loops);
@@ -29,6 +30,7 @@ Outputs5 csr_build_cpu(const at::Tensor& src, const at::Tensor& dst,
   at::Tensor perm = at::empty({n}, opt.dtype(at::kLong));
   at::Tensor removed = at::empty({n}, opt.dtype(at::kBool));
   at::Tensor fill = at::empty({L > 0 ? E : 0}, opt.dtype(at::kLong));
+  at::Tensor status = at::zeros({1}, opt.dtype(at::kInt));
   PFA_DISPATCH_INDEX(src.scalar_type(), "csr_build_cpu", [&] {
     const index_t* s = src.const_data_ptr<index_t>();
     const index_t* d = dst.const_data_ptr<index_t>();
@@ -39,7 +41,16 @@ Outputs5 csr_build_cpu(const at::Tensor& src, const at::Tensor& dst,
       return cpu::clamp64(de, 0, num_dst);
     };
     std::vector<int64_t> next(num_dst + 2, 0);  // counts, then next slot
-    for (int64_t e = 0; e < E; ++e) ++next[key(e) + 1];
+    int32_t bad = 0;
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t se = s[e * ss], de = d[e * ds];
+      if (se < 0 || se >= num_src) bad |= kGraphBadSrc;
+      if (de < 0 || de >= num_dst) bad |= kGraphBadDst;
+      if (e > 0 && static_cast<int64_t>(d[(e - 1) * ds]) > de)
+        bad |= kGraphUnsorted;
+      ++next[key(e) + 1];
+    }
+    status.data_ptr<int32_t>()[0] = bad;
     for (int64_t i = 0; i < L; ++i) ++next[i + 1];
     for (int64_t k = 0; k <= num_dst; ++k) next[k + 1] += next[k];
     int32_t* rp = rowptr.data_ptr<int32_t>();
@@ -65,7 +76,7 @@ Outputs5 csr_build_cpu(const at::Tensor& src, const at::Tensor& dst,
       rm[E + i] = false;
     }
   });
-  return {rowptr, col, perm, removed, fill};
+  return {rowptr, col, perm, removed, fill, status};
 }
 
 // The transpose: CSR positions sorted by key = column (num_cols past

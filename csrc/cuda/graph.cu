@@ -31,8 +31,22 @@ namespace cuda {
 namespace {
 
 using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-using Outputs5 =
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+using Outputs6 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                            at::Tensor, at::Tensor>;
+
+// Adds status bits (kGraphBad*, common.h) seen by one thread; bad input is
+// rare, so the atomic is almost never issued.
+__device__ __forceinline__ void report(int32_t* status, int32_t bad) {
+  if (bad != 0) atomicOr(status, bad);
+}
+
+// Status bits of an input edge's source s and destination d.
+__device__ __forceinline__ int32_t range_bits(int64_t s, int64_t d,
+                                              int64_t num_src,
+                                              int64_t num_dst) {
+  return (s < 0 || s >= num_src ? kGraphBadSrc : 0) |
+         (d < 0 || d >= num_dst ? kGraphBadDst : 0);
+}
 
 // Blocks of a grid-stride launch over n elements (n > 0).
 inline unsigned graph_blocks(int64_t n) {
@@ -146,19 +160,21 @@ __global__ void ptr_fallback_kernel(const int32_t* __restrict__ fallback,
 // Unsorted CSR. One thread per augmented edge i in [0, E + L)
 // (grid-stride): its sort key (destination; num_dst for a removed
 // self-loop; d for the added loop (d, d)), its value (source as int32, the
-// col it gets) << 32 | i, and removed / fill_index.
+// col it gets) << 32 | i, removed / fill_index and the range bits.
 template <typename index_t>
 __global__ void csr_keys_kernel(const index_t* __restrict__ src, int64_t ss,
                                 const index_t* __restrict__ dst, int64_t ds,
-                                int64_t E, int64_t L, int64_t num_dst,
-                                uint32_t* __restrict__ key,
+                                int64_t E, int64_t L, int64_t num_src,
+                                int64_t num_dst, uint32_t* __restrict__ key,
                                 uint64_t* __restrict__ val,
                                 bool* __restrict__ removed,
-                                int64_t* __restrict__ fill) {
+                                int64_t* __restrict__ fill,
+                                int32_t* __restrict__ status) {
   PFA_GRID_STRIDE(i, E + L) {
     int64_t c;
     if (i < E) {
       const int64_t s = src[i * ss], d = dst[i * ds];
+      report(status, range_bits(s, d, num_src, num_dst));
       const bool loop = L > 0 && s == d;
       key[i] = static_cast<uint32_t>(loop ? num_dst : clamp_to(d, 0, num_dst));
       removed[i] = loop;
@@ -192,15 +208,22 @@ __global__ void csr_split_kernel(const uint64_t* __restrict__ val,
 }
 
 // Sorted CSR without loops. One thread per edge e (grid-stride): CSR
-// position = input position.
+// position = input position; range and order bits.
 template <typename index_t>
 __global__ void csr_copy_kernel(const index_t* __restrict__ src, int64_t ss,
-                                int64_t E, int64_t* __restrict__ perm,
+                                const index_t* __restrict__ dst, int64_t ds,
+                                int64_t E, int64_t num_src, int64_t num_dst,
+                                int64_t* __restrict__ perm,
                                 int32_t* __restrict__ col,
-                                bool* __restrict__ removed) {
+                                bool* __restrict__ removed,
+                                int32_t* __restrict__ status) {
   PFA_GRID_STRIDE(e, E) {
+    const int64_t s = src[e * ss], d = dst[e * ds];
+    const bool down = e > 0 && static_cast<int64_t>(dst[(e - 1) * ds]) > d;
+    report(status, range_bits(s, d, num_src, num_dst) |
+                       (down ? kGraphUnsorted : 0));
     perm[e] = e;
-    col[e] = static_cast<int32_t>(src[e * ss]);
+    col[e] = static_cast<int32_t>(s);
     removed[e] = false;
   }
 }
@@ -225,8 +248,9 @@ struct KeepFlag {
 // the loop (d, d); removed self-loops after every row, in input order):
 // perm[p] = i, col[p] = its source; and removed[i], fill_index[i].
 // Non-decreasing dst (in range or not) makes p a bijection onto the
-// non-loop slots of [0, E + L); a decrease sets *unsorted (p is clamped,
-// but positions may be missed: csr_fixup_kernel). Row marks: with
+// non-loop slots of [0, E + L); a decrease sets kGraphUnsorted (p is
+// clamped, but positions may be missed: csr_fixup_kernel). Also the range
+// bits. Row marks: with
 // h = min(dst[i], num_dst) (num_dst at i = E), if dst[i - 1] < h (or i = 0)
 // and h >= 0, mark[num_dst - h] = ck[i]; the suffix minimum of the marks
 // over rows >= x is then ck[lower_bound(dst, x)] for sorted dst (reversed
@@ -241,7 +265,8 @@ __global__ void csr_scatter_kernel(const index_t* __restrict__ src, int64_t ss,
                                    bool* __restrict__ removed,
                                    int64_t* __restrict__ fill,
                                    int32_t* __restrict__ mark,
-                                   int32_t* __restrict__ unsorted) {
+                                   int64_t num_src,
+                                   int32_t* __restrict__ status) {
   const int64_t n = E + L;
   const int64_t kept = ck[E];
   PFA_GRID_STRIDE(i, E + 1) {
@@ -259,7 +284,8 @@ __global__ void csr_scatter_kernel(const index_t* __restrict__ src, int64_t ss,
       fill[i] = (loop || d >= L) ? L : d;
       perm[p] = i;
       col[p] = static_cast<int32_t>(s);
-      if (!first && prev > d) *unsorted = 1;
+      report(status, range_bits(s, d, num_src, num_dst) |
+                         (!first && prev > d ? kGraphUnsorted : 0));
       h = d < num_dst ? d : num_dst;
     }
     if ((first || prev < h) && h >= 0)
@@ -302,15 +328,15 @@ __global__ void csr_rowptr_loops_kernel(const int32_t* __restrict__ smin,
   }
 }
 
-// Sorted CSR declared but dst decreasing somewhere (*unsorted): one thread
+// Sorted CSR declared but dst decreasing somewhere (kGraphUnsorted): one thread
 // per CSR position (grid-stride) clamps perm into [0, n) and col into
 // [0, num_src), so positions the scatter missed hold in-range garbage.
 // Returns at once for sorted input.
-__global__ void csr_fixup_kernel(const int32_t* __restrict__ unsorted,
+__global__ void csr_fixup_kernel(const int32_t* __restrict__ status,
                                  int64_t n, int64_t num_src,
                                  int64_t* __restrict__ perm,
                                  int32_t* __restrict__ col) {
-  if (*unsorted == 0) return;
+  if ((*status & kGraphUnsorted) == 0) return;
   PFA_GRID_STRIDE(p, n) {
     perm[p] = clamp_to(perm[p], 0, n - 1);
     col[p] = static_cast<int32_t>(
@@ -436,7 +462,7 @@ void inclusive_min(const int32_t* in, int32_t* out, int64_t n,
       tmp.data_ptr(), bytes, in, out, MinOp(), static_cast<int>(n), stream));
 }
 
-Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
+Outputs6 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
                         int64_t num_src, int64_t num_dst, bool add_self_loops,
                         bool is_sorted) {
   check_csr_build(src, dst, num_src, num_dst, add_self_loops);
@@ -452,6 +478,8 @@ Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
   at::Tensor perm = at::empty({n}, opt.dtype(at::kLong));
   at::Tensor removed = at::empty({n}, opt.dtype(at::kBool));
   at::Tensor fill = at::empty({L > 0 ? E : 0}, opt.dtype(at::kLong));
+  at::Tensor status = at::zeros({1}, i32);
+  int32_t* st = status.data_ptr<int32_t>();
   PFA_DISPATCH_INDEX(src.scalar_type(), "csr_build_cuda", [&] {
     const index_t* s = src.const_data_ptr<index_t>();
     const index_t* d = dst.const_data_ptr<index_t>();
@@ -472,7 +500,7 @@ Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
                                      sizeof(int32_t), stream));
       if (n > 0) {
         csr_keys_kernel<index_t><<<graph_blocks(n), kGraphBlock, 0, stream>>>(
-            s, ss, d, ds, E, L, num_dst, k0, v0, rm, fi);
+            s, ss, d, ds, E, L, num_src, num_dst, k0, v0, rm, fi, st);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
       cub::DoubleBuffer<uint32_t> kb(k0, k0 + n);
@@ -494,16 +522,13 @@ Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (E > 0) {
         csr_copy_kernel<index_t><<<graph_blocks(E), kGraphBlock, 0, stream>>>(
-            s, ss, E, pm, cl, rm);
+            s, ss, d, ds, E, num_src, num_dst, pm, cl, rm, st);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     } else {
-      // ck [E + 1] (kept edges before i), then the unsorted flag.
-      at::Tensor work = at::empty({E + 2}, i32);
+      // ck [E + 1]: kept edges before i.
+      at::Tensor work = at::empty({E + 1}, i32);
       int32_t* ck = work.data_ptr<int32_t>();
-      int32_t* unsorted = ck + (E + 1);
-      C10_CUDA_CHECK(
-          cudaMemsetAsync(unsorted, 0, sizeof(int32_t), stream));
       // Row marks (reversed; unmarked rows hold the largest int32), then
       // their running minimum.
       at::Tensor marks = at::empty({2 * (num_dst + 1)}, i32);
@@ -517,8 +542,8 @@ Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
                     ck, E + 1, opt, stream);
       csr_scatter_kernel<index_t>
           <<<graph_blocks(E + 1), kGraphBlock, 0, stream>>>(
-              s, ss, d, ds, E, L, num_dst, ck, pm, cl, rm, fi, mark,
-              unsorted);
+              s, ss, d, ds, E, L, num_dst, ck, pm, cl, rm, fi, mark, num_src,
+              st);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       inclusive_min(mark, smin, num_dst + 1, opt, stream);
       csr_rowptr_loops_kernel<<<graph_blocks(num_dst + 1), kGraphBlock, 0,
@@ -526,11 +551,11 @@ Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
                                           rm);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       csr_fixup_kernel<<<graph_blocks(n), kGraphBlock, 0, stream>>>(
-          unsorted, n, num_src, pm, cl);
+          st, n, num_src, pm, cl);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
-  return {rowptr, col, perm, removed, fill};
+  return {rowptr, col, perm, removed, fill, status};
 }
 
 Outputs4 csc_build_cuda(const at::Tensor& rowptr_, const at::Tensor& col_,

@@ -7,6 +7,9 @@
 namespace pyg_fastattn {
 
 // src, dst [E] int32/int64 (strided views allowed), one dtype and device.
+// csr_build's last output, status [1] int32, holds the kGraphBad* bits of
+// what its kernels saw (common.h): the validation of the input, at no extra
+// pass.
 void check_csr_build(const at::Tensor& src, const at::Tensor& dst,
                      int64_t num_src, int64_t num_dst, bool add_self_loops) {
   for (const auto* t : {&src, &dst}) {
@@ -45,7 +48,7 @@ TORCH_LIBRARY_FRAGMENT(pyg_fastattn, m) {
   m.def(
       "csr_build(Tensor src, Tensor dst, int num_src, int num_dst, "
       "bool add_self_loops, bool is_sorted) -> (Tensor rowptr, Tensor col, "
-      "Tensor csr_perm, Tensor removed, Tensor fill_index)");
+      "Tensor csr_perm, Tensor removed, Tensor fill_index, Tensor status)");
   m.def(
       "csc_build(Tensor rowptr, Tensor col, int num_cols) -> (Tensor colptr, "
       "Tensor row, Tensor perm, Tensor inv)");

@@ -265,6 +265,12 @@ def _infer_sizes(src: Tensor, dst: Tensor, num_src: Optional[int],
             max(dmax + 1, 0) if num_dst is None else num_dst)
 
 
+_SORTED_MESSAGE = ('`edge_index` was declared sorted by destination (row 1) '
+                   'but is not')
+_ASYNC_MESSAGE = ('pyg_fastattn: `edge_index` has indices out of range (or is '
+                  'not sorted by destination as declared)')
+
+
 def _validate(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
               is_sorted: bool, mode: str) -> None:
     """Check index ranges (and a claimed order by destination)."""
@@ -274,8 +280,7 @@ def _validate(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
         _range_error(src, dst, num_src, num_dst)
         if is_sorted and src.numel() > 1 and not bool(
                 (dst[1:] >= dst[:-1]).all()):
-            raise ValueError('`edge_index` was declared sorted by '
-                             'destination (row 1) but is not')
+            raise ValueError(_SORTED_MESSAGE)
         return
     smin, smax = torch.aminmax(src)
     if is_sorted:  # once the order holds, dst's range is its ends'
@@ -285,8 +290,27 @@ def _validate(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
     ok = (smin >= 0) & (smax < num_src) & (dmin >= 0) & (dmax < num_dst)
     if is_sorted and src.numel() > 1:
         ok = ok & (dst[1:] >= dst[:-1]).all()
-    torch._assert_async(ok, 'pyg_fastattn: `edge_index` has indices out of '
-                        'range (or is not sorted by destination as declared)')
+    torch._assert_async(ok, _ASYNC_MESSAGE)
+
+
+# csr_build's status bits (kGraphBad* in csrc/common.h).
+_BAD_RANGE, _UNSORTED = 1 | 2, 4
+
+
+def _check_status(status: Tensor, src: Tensor, dst: Tensor, num_src: int,
+                  num_dst: int, is_sorted: bool, mode: str) -> None:
+    """:func:`_validate` from the native build's status bits (what its
+    kernels saw; no extra pass over the input)."""
+    if mode == 'off' or src.numel() == 0:
+        return
+    if mode == 'async':  # CUDA sets the order bit only for sorted input
+        torch._assert_async(status.eq(0), _ASYNC_MESSAGE)
+        return
+    bad = int(status.item())
+    if bad & _BAD_RANGE:
+        _range_error(src, dst, num_src, num_dst)
+    if is_sorted and bad & _UNSORTED:
+        raise ValueError(_SORTED_MESSAGE)
 
 
 def _is_sorted_cpu(dst: Tensor) -> bool:
@@ -439,19 +463,25 @@ def _csc_build_native(rowptr, col, num_cols):
 
 
 def _csr_of(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
-            add_self_loops: bool, is_sorted: bool, dst_ptr: Optional[Tensor]
+            add_self_loops: bool, is_sorted: bool, dst_ptr: Optional[Tensor],
+            mode: str = 'off'
             ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(rowptr, col, csr_perm, removed, fill_index (empty without loops)) of
     the augmented edge list. ``is_sorted``: ``dst`` is non-decreasing (no
     sort); ``dst_ptr``: its [num_dst + 1] pointer when known (the native
-    build finds the row starts itself)."""
+    build finds the row starts itself). The input is validated per ``mode``
+    (:func:`_validation_mode`): from the native build's status bits, or
+    before the PyTorch build."""
     L = min(num_src, num_dst) if add_self_loops else 0
     if _use_native(src.device, src.numel() + L, num_src, num_dst):
         if src.dtype not in (torch.int32, torch.int64) or \
                 dst.dtype != src.dtype:
             src, dst = src.long(), dst.long()
-        return tuple(_csr_build_native(src, dst, num_src, num_dst,
-                                       add_self_loops, is_sorted))
+        *parts, status = _csr_build_native(src, dst, num_src, num_dst,
+                                           add_self_loops, is_sorted)
+        _check_status(status, src, dst, num_src, num_dst, is_sorted, mode)
+        return tuple(parts)
+    _validate(src, dst, num_src, num_dst, is_sorted, mode)
     return _build_csr_torch(src, dst, num_src, num_dst, add_self_loops,
                             is_sorted, dst_ptr)
 
@@ -504,12 +534,19 @@ def _(rowptr, col, num_src):
 
 def _build(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
            add_self_loops: bool, layout: str, index_dtype: torch.dtype,
-           is_sorted: bool = False, dst_ptr: Optional[Tensor] = None,
+           mode: str, is_sorted: bool = False,
+           dst_ptr: Optional[Tensor] = None,
            csc: Optional[CSC] = None) -> PreparedGraph:
-    """The CSR of the augmented edge list; no host sync."""
-    build = _build_csr if _is_compiling() else _csr_of
-    (rowptr, col, perm, removed, fill_index) = build(
-        src, dst, num_src, num_dst, add_self_loops, is_sorted, dst_ptr)
+    """The CSR of the augmented edge list, the input validated per ``mode``;
+    no host sync unless ``mode`` is 'sync'."""
+    if _is_compiling():
+        _validate(src, dst, num_src, num_dst, is_sorted, mode)
+        parts = _build_csr(src, dst, num_src, num_dst, add_self_loops,
+                           is_sorted, dst_ptr)
+    else:
+        parts = _csr_of(src, dst, num_src, num_dst, add_self_loops,
+                        is_sorted, dst_ptr, mode)
+    (rowptr, col, perm, removed, fill_index) = parts
     L = min(num_src, num_dst) if add_self_loops else 0
     return PreparedGraph(rowptr, col, csc, perm, removed,
                          fill_index if L > 0 else None, num_src, num_dst,
@@ -568,9 +605,8 @@ def _prepare(edge_index, num_src: Optional[int], num_dst: Optional[int],
                     f'the sparse adjacency has {got} {name} nodes '
                     f'(size {tuple(edge_index.size()[:2])}, rows = '
                     f'destinations) but the node features have {want}')
-        _validate(src, dst, ns, nd, False,
-                  _validation_mode(validate, src.device))
-        return _build(src, dst, ns, nd, add_self_loops, layout, src.dtype)
+        return _build(src, dst, ns, nd, add_self_loops, layout, src.dtype,
+                      _validation_mode(validate, src.device))
     _check_edge_index(edge_index)
     dst_ptr = T = None
     if (_EdgeIndex is not None and isinstance(edge_index, _EdgeIndex)
@@ -592,13 +628,12 @@ def _prepare(edge_index, num_src: Optional[int], num_dst: Optional[int],
                   and _is_sorted_cpu(dst))
     if not sorted:
         dst_ptr = T = None
-    _validate(src, dst, num_src, num_dst, sorted, mode)
     csc = None
     if T is not None and not add_self_loops and not _is_compiling():
         idx = _index_dtype(src.numel(), num_src, num_dst)
         csc = _csc_from_transpose(T, src, dst, idx, num_src)
     return _build(src, dst, num_src, num_dst, add_self_loops, 'edge_index',
-                  edge_index.dtype, sorted, dst_ptr, csc)
+                  edge_index.dtype, mode, sorted, dst_ptr, csc)
 
 
 def prepare(edge_index, num_nodes: Optional[int] = None,
