@@ -93,11 +93,13 @@ struct SplitPlan {
   int64_t chunk;  // edges per chunk
 };
 
-// The plan of one launch. PYG_FASTATTN_SPLIT_EDGES=n (tests) sets the
-// threshold to n and the chunk to max(1, min(kSplitChunk, n / 2)), so that
-// small graphs take the split path; read at every launch.
-inline SplitPlan split_plan() {
-  SplitPlan p{kSplitEdges, kSplitChunk};
+// The plan of one launch (an op may pass its own threshold and chunk).
+// PYG_FASTATTN_SPLIT_EDGES=n (tests) sets the threshold to n and the chunk
+// to max(1, min(kSplitChunk, n / 2)), so that small graphs take the split
+// path; read at every launch.
+inline SplitPlan split_plan(int64_t split = kSplitEdges,
+                            int64_t chunk = kSplitChunk) {
+  SplitPlan p{split, chunk};
   if (const char* env = std::getenv("PYG_FASTATTN_SPLIT_EDGES")) {
     const long long n = std::atoll(env);
     if (n > 0) {
@@ -180,6 +182,14 @@ constexpr int64_t kGatv2CudaBwdBlocks = 2048;
 // CUDA: feature elements a lane keeps per row (registers); heads beyond
 // that go to further tiles of the grid's y dimension.
 constexpr int kGatv2LaneSlots = 4;
+// CUDA: split path of the gatv2 kernels (one warp walks a row's edges one
+// by one, so long rows are split sooner than kSplitEdges).
+constexpr int64_t kGatv2SplitEdges = 2048;
+constexpr int64_t kGatv2SplitChunk = 1024;
+// CUDA: edges whose gathers a gatv2 warp issues before using them (lanes of
+// one head slot; half as many with 4 slots; 1 when a lane's slots hold 32
+// elements or more, or rows are unaligned).
+constexpr int kGatv2EdgeBatch = 4;
 
 void check_gatv2_attention(const at::Tensor& rowptr, const at::Tensor& col,
                            const at::Tensor& x_l, const at::Tensor& x_r,

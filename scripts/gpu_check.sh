@@ -24,6 +24,9 @@
 #   ddp    examples/train_ddp.py under torchrun (NCCL), 1 process and one
 #          per visible GPU when there are several (not in the default set)
 #
+# TEST_ARGS: pytest arguments in place of the whole suite for tests /
+# cudatests (files, -k, ...); TEST_ENV: an env assignment for a second
+# cudatests run of the same selection (e.g. PYG_FASTATTN_SPLIT_EDGES=16).
 # BENCH_ONLY / BENCH_PROVIDERS: --only / --providers of bench_gat.py;
 # BENCH_XGRAD=1: its --x-grad (layer fwd+bwd also differentiates x).
 #
@@ -280,6 +283,12 @@ print(i)
 if os.environ["GPU_CHECK_DEVICE"] == "cuda" and not i["native_cuda"]:
     print("CUDA kernels are NOT native")
     sys.exit(3)
+# seconds per object, from the ninja log (start and end in ms)
+log = os.path.join(i["build_dir"] or "", ".ninja_log")
+if os.path.exists(log):
+    rows = [l.split("\t") for l in open(log) if not l.startswith("#")]
+    for r in sorted(rows, key=lambda r: int(r[0]) - int(r[1])):
+        print(f"{(int(r[1]) - int(r[0])) / 1000:8.1f} s  {r[3]}")
 EOF
 '
 fi
@@ -288,8 +297,9 @@ if [ $want_tests -eq 1 ]; then
     # The whole suite (CPU tests too: this torch is another version), or
     # with cudatests only the CUDA ones.
     if [ $cuda_only -eq 1 ]; then
-        run_step tests_cuda "${T_TESTS_CUDA:-150}" \
-            'python3 -m pytest tests -q -x -m cuda -rfEs --durations=10 -p no:cacheprovider'
+        run_step tests_cuda "${T_TESTS_CUDA:-150}" '
+python3 -m pytest ${TEST_ARGS:-tests} -q -x -m cuda -rfEs --durations=10 -p no:cacheprovider || exit $?
+[ -z "${TEST_ENV:-}" ] || env $TEST_ENV python3 -m pytest ${TEST_ARGS:-tests} -q -x -m cuda -rfEs -p no:cacheprovider'
     else
         # TEST_SHARDS=N runs the test files in N concurrent pytest processes
         # (files balanced by scripts/test_shards.sh), each logging to

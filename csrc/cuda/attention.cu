@@ -94,7 +94,7 @@ struct AttnFwdWeight {
 // Rows with more than coop_edges(...) edges are shared by the 8 warps of the
 // block: edges interleaved over the warps, statistics and partial sums
 // combined in shared memory in a fixed order. Rows over the split threshold
-// are left to attention_fwd_part_kernel / attention_fwd_combine_kernel.
+// are left to attention_fwd_part_kernel / split_softmax_combine_kernel.
 //
 // Edges [start, end) of row `row` (the whole row, or with PARTIAL one window
 // part of a long row, whose unnormalized sums and statistics go to slot
@@ -258,70 +258,6 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-// Split path, combine: block w finishes the long row whose first window is
-// w (window_owner). Per round of 32 heads: lane = head, warps take the
-// row's windows k = warp + 8i and merge their (m, s) online, the 8 warp
-// states merged in warp order (shared memory); then window_sum adds the
-// partial sums rescaled by exp(m_k - M) in window order, and the store
-// divides by S and adds bias; lse = M + log S.
-template <typename scalar_t, typename index_t>
-__global__ void __launch_bounds__(kBlock)
-    attention_fwd_combine_kernel(AttnArgs<scalar_t, index_t> a, int H,
-                                 int64_t C) {
-  using A = acc_t<scalar_t>;
-  __shared__ A s_red[kBlock * 4];
-  __shared__ A s_M[kWarp], s_S[kWarp];
-  int64_t i, rs, re;
-  if (!window_owner(a.sp, a.rowptr, a.E, blockIdx.x, i, rs, re)) return;
-  const int64_t k0 = rs / a.sp.chunk;
-  const int64_t nw = (re - 1) / a.sp.chunk - k0 + 1;
-  const int64_t chunk = a.sp.chunk;
-  auto slot = [&](int64_t k) { return win_slot(k0 + k, rs, chunk); };
-  const int64_t D = static_cast<int64_t>(H) * C;
-  const int lane = lane_id();
-  const int wib = threadIdx.x >> 5;
-  for (int h0 = 0; h0 < H; h0 += kWarp) {
-    const int h = h0 + lane;
-    A m = neg_inf<A>(), sum = A(0);
-    if (h < H) {
-      for (int64_t k = wib; k < nw; k += kWarpsPerBlock) {
-        const A* p = a.part_ms + (slot(k) * H + h) * 2;
-        online_merge(m, sum, p[0], p[1]);
-      }
-    }
-    s_red[wib * kWarp + lane] = m;
-    s_red[kBlock + wib * kWarp + lane] = sum;
-    __syncthreads();
-    if (wib == 0) {
-      A M = s_red[lane], S = s_red[kBlock + lane];
-      for (int q = 1; q < kWarpsPerBlock; ++q)
-        online_merge(M, S, s_red[q * kWarp + lane], s_red[kBlock + q * kWarp + lane]);
-      online_finish(M, S);
-      s_M[lane] = M;
-      s_S[lane] = S;
-      if (h < H) a.lse_out[i * H + h] = softmax_lse(M, S);
-    }
-    __syncthreads();
-    const int h1 = min(H, h0 + kWarp);
-    window_sum(
-        a.part_acc, D, h0 * C, h1 * C, nw, slot,
-        [&](int64_t k, int64_t x) {
-          const int hh = static_cast<int>(x / C);
-          const A M = s_M[hh - h0];
-          return M == neg_inf<A>()
-                     ? A(1)
-                     : pfa_exp(a.part_ms[(slot(k) * H + hh) * 2] - M);
-        },
-        s_red, [&](int64_t x, A tot) {
-          const int hh = static_cast<int>(x / C);
-          const A M = s_M[hh - h0];
-          A r = M == neg_inf<A>() ? tot : tot * fast_recip(s_S[hh - h0]);
-          if (a.bias != nullptr) r += to_acc(a.bias[x]);
-          a.out[i * D + x] = from_acc<scalar_t>(r);
-        });
-  }
-}
-
 // Backward prologue: G lanes per (row i, head h) (G a power of two, the
 // fewest that cover C in V-element units; 32 / G pairs per warp, warps
 // grid-stride over the pairs), so each warp load covers consecutive bytes of
@@ -420,7 +356,7 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const RowInfo<A>& r, A aedge,
 // of CSC edge window w (window_part) with its 8 warps as for a block-shared
 // column and stores its sums into slot 2w + q of part_acc ([D] grad_values
 // terms, then [H] grad_a_src terms; grad_z is written as usual); the
-// non-partial launch skips those columns and attention_bwd_combine_kernel
+// non-partial launch skips those columns and split_sum_kernel
 // adds the partials in window order.
 template <typename scalar_t, typename index_t, int V, int KHQ, bool LEAN,
           bool PARTIAL>
@@ -666,33 +602,6 @@ __global__ void __launch_bounds__(kBlock, LEAN ? 3 : 2)
   }
 }
 
-// Split path, combine of the backward: block w finishes the long column j
-// whose first window is w (window_owner): window_sum adds the column's
-// partials ([D] grad_values, [H] grad_a_src terms) in window order.
-template <typename scalar_t, typename index_t>
-__global__ void __launch_bounds__(kBlock)
-    attention_bwd_combine_kernel(AttnArgs<scalar_t, index_t> a, int H,
-                                 int64_t C) {
-  using A = acc_t<scalar_t>;
-  __shared__ A s_red[kBlock * 4];
-  int64_t j, rs, re;
-  if (!window_owner(a.sp, a.colptr, a.E, blockIdx.x, j, rs, re)) return;
-  const int64_t k0 = rs / a.sp.chunk;
-  const int64_t nw = (re - 1) / a.sp.chunk - k0 + 1;
-  const int64_t chunk = a.sp.chunk;
-  const int64_t D = static_cast<int64_t>(H) * C;
-  window_sum(
-      a.part_acc, D + H, 0, D + H, nw,
-      [&](int64_t k) { return win_slot(k0 + k, rs, chunk); },
-      [](int64_t, int64_t) { return A(1); }, s_red,
-      [&](int64_t x, A tot) {
-        if (x < D)
-          a.gvalues[j * D + x] = from_acc<scalar_t>(tot);
-        else
-          a.gsrc[j * H + (x - D)] = from_acc<scalar_t>(tot);
-      });
-}
-
 inline at::Tensor opt_contig(const c10::optional<at::Tensor>& t) {
   return t.has_value() ? t->contiguous() : at::Tensor();
 }
@@ -787,12 +696,9 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
             <<<grid, kBlock, 0, stream>>>(a, L);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
-      if (a.sp.nwin > 0) {
-        attention_fwd_combine_kernel<scalar_t, index_t>
-            <<<static_cast<unsigned>(a.sp.nwin), kBlock, 0, stream>>>(
-                a, static_cast<int>(H), C);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
+      launch_split_softmax_combine<scalar_t, index_t>(
+          a.sp, a.rowptr, a.E, a.part_acc, a.part_ms, a.bias, H, C, a.out,
+          a.lse_out);
     });
   });
   return {out, lse};
@@ -904,12 +810,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
       }
-      if (a.sp.nwin > 0) {
-        attention_bwd_combine_kernel<scalar_t, index_t>
-            <<<static_cast<unsigned>(a.sp.nwin), kBlock, 0, stream>>>(
-                a, static_cast<int>(H), C);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
+      launch_split_sum<scalar_t, index_t>(a.sp, a.colptr, E, a.part_acc,
+                                          H * C + H, H * C, a.gvalues, a.gsrc);
     });
   });
   return {gvalues, gz, gsrc};

@@ -53,7 +53,7 @@ struct SpmmWeight {
 // PARTIAL: the split path's partials: block (w, tile) sums both slots of
 // edge window w (window_part, utils.cuh) with its 8 warps into slot 2w + q
 // of part; the non-partial launch skips rows over the split threshold and
-// spmm_combine_kernel adds their partials in window order.
+// split_sum_kernel (utils.cuh) adds their partials in window order.
 template <typename scalar_t, typename index_t, int V, int KHQ, bool PARTIAL>
 __global__ void __launch_bounds__(kBlock)
     spmm_kernel(SpmmArgs<scalar_t, index_t> a, TileLayout L) {
@@ -104,25 +104,6 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-// Split path, combine: block w finishes the long row whose first window is
-// w (window_owner), adding its partials in window order (window_sum).
-template <typename scalar_t, typename index_t>
-__global__ void __launch_bounds__(kBlock)
-    spmm_combine_kernel(SpmmArgs<scalar_t, index_t> a, int64_t D) {
-  using A = acc_t<scalar_t>;
-  __shared__ A s_red[kBlock * 4];
-  int64_t i, rs, re;
-  if (!window_owner(a.sp, a.rowptr, a.E, blockIdx.x, i, rs, re)) return;
-  const int64_t k0 = rs / a.sp.chunk;
-  const int64_t nw = (re - 1) / a.sp.chunk - k0 + 1;
-  const int64_t chunk = a.sp.chunk;
-  window_sum(
-      a.part, D, 0, D, nw,
-      [&](int64_t k) { return win_slot(k0 + k, rs, chunk); },
-      [](int64_t, int64_t) { return A(1); }, s_red,
-      [&](int64_t x, A tot) { a.out[i * D + x] = from_acc<scalar_t>(tot); });
-}
-
 // Split path, first part (make_split, utils.cuh): the window partials of
 // the long rows (PARTIAL spmm_kernel over layout L) into a.part. The row
 // kernel launched next must skip rows over a.sp.split;
@@ -150,11 +131,7 @@ void launch_split_partials(SpmmArgs<scalar_t, index_t>& a, const TileLayout& L,
 // Split path, last part: the long rows' outputs from their partials.
 template <typename scalar_t, typename index_t>
 void launch_split_combine(const SpmmArgs<scalar_t, index_t>& a, int64_t D) {
-  if (a.sp.nwin == 0) return;
-  spmm_combine_kernel<scalar_t, index_t>
-      <<<static_cast<unsigned>(a.sp.nwin), kBlock, 0,
-         at::cuda::getCurrentCUDAStream()>>>(a, D);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_split_sum<scalar_t, index_t>(a.sp, a.rowptr, a.E, a.part, D, D, a.out);
 }
 
 // values viewed as [Ns, H, C]; out is [N, H, C]. Without weight the heads do

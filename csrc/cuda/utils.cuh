@@ -456,9 +456,9 @@ __device__ __forceinline__ bool window_owner(const SplitArgs& sp,
 // `win` keeps the window table alive until the launches are queued.
 template <typename index_t>
 inline SplitArgs make_split(const index_t* rowptr, int64_t N, int64_t E,
-                            const at::TensorOptions& opts, at::Tensor& win) {
+                            const at::TensorOptions& opts, at::Tensor& win,
+                            const SplitPlan& plan = split_plan()) {
   SplitArgs sp;
-  const SplitPlan plan = split_plan();
   if (N <= 0 || E <= plan.split) return sp;
   sp.split = plan.split;
   sp.chunk = plan.chunk;
@@ -518,6 +518,132 @@ __device__ __forceinline__ void window_sum(const A* __restrict__ part,
     }
     __syncthreads();
   }
+}
+
+// Split path, sum combine: block w finishes the long row whose first window
+// is w (window_owner), adding its partials (rows of W accumulators) in
+// window order (window_sum): x < D goes to out[row, x], the rest to
+// out2[row, x - D] (out2: rows of W - D).
+template <typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kBlock)
+    split_sum_kernel(SplitArgs sp, const index_t* __restrict__ rowptr,
+                     int64_t E, const acc_t<scalar_t>* __restrict__ part,
+                     int64_t W, int64_t D, scalar_t* __restrict__ out,
+                     scalar_t* __restrict__ out2) {
+  using A = acc_t<scalar_t>;
+  __shared__ A s_red[kBlock * 4];
+  int64_t i, rs, re;
+  if (!window_owner(sp, rowptr, E, blockIdx.x, i, rs, re)) return;
+  const int64_t k0 = rs / sp.chunk;
+  const int64_t nw = (re - 1) / sp.chunk - k0 + 1;
+  const int64_t chunk = sp.chunk;
+  window_sum(
+      part, W, 0, W, nw, [&](int64_t k) { return win_slot(k0 + k, rs, chunk); },
+      [](int64_t, int64_t) { return A(1); }, s_red, [&](int64_t x, A tot) {
+        if (x < D)
+          out[i * D + x] = from_acc<scalar_t>(tot);
+        else
+          out2[i * (W - D) + (x - D)] = from_acc<scalar_t>(tot);
+      });
+}
+
+// Split path, softmax combine: block w finishes the long row i whose first
+// window is w (window_owner). part_ms[slot, h] = (max m, sum s of
+// exp(x - m)) and part_acc[slot] (D = H * C sums of exp(x - m) * weight *
+// value) of each window part. Per round of 32 heads: lane = head, warps
+// take the row's windows k = warp + 8i and merge their (m, s) online, the
+// 8 warp states merged in warp order (shared memory); then window_sum adds
+// the partial sums rescaled by exp(m_k - M) in window order, and the store
+// divides by S and adds bias; lse = M + log S.
+template <typename scalar_t, typename index_t>
+__global__ void __launch_bounds__(kBlock)
+    split_softmax_combine_kernel(SplitArgs sp,
+                                 const index_t* __restrict__ rowptr, int64_t E,
+                                 const acc_t<scalar_t>* __restrict__ part_acc,
+                                 const acc_t<scalar_t>* __restrict__ part_ms,
+                                 const scalar_t* __restrict__ bias, int H,
+                                 int64_t C, scalar_t* __restrict__ out,
+                                 acc_t<scalar_t>* __restrict__ lse_out) {
+  using A = acc_t<scalar_t>;
+  __shared__ A s_red[kBlock * 4];
+  __shared__ A s_M[kWarp], s_S[kWarp];
+  int64_t i, rs, re;
+  if (!window_owner(sp, rowptr, E, blockIdx.x, i, rs, re)) return;
+  const int64_t k0 = rs / sp.chunk;
+  const int64_t nw = (re - 1) / sp.chunk - k0 + 1;
+  const int64_t chunk = sp.chunk;
+  auto slot = [&](int64_t k) { return win_slot(k0 + k, rs, chunk); };
+  const int64_t D = static_cast<int64_t>(H) * C;
+  const int lane = lane_id();
+  const int wib = threadIdx.x >> 5;
+  for (int h0 = 0; h0 < H; h0 += kWarp) {
+    const int h = h0 + lane;
+    A m = neg_inf<A>(), sum = A(0);
+    if (h < H) {
+      for (int64_t k = wib; k < nw; k += kWarpsPerBlock) {
+        const A* p = part_ms + (slot(k) * H + h) * 2;
+        online_merge(m, sum, p[0], p[1]);
+      }
+    }
+    s_red[wib * kWarp + lane] = m;
+    s_red[kBlock + wib * kWarp + lane] = sum;
+    __syncthreads();
+    if (wib == 0) {
+      A M = s_red[lane], S = s_red[kBlock + lane];
+      for (int q = 1; q < kWarpsPerBlock; ++q)
+        online_merge(M, S, s_red[q * kWarp + lane], s_red[kBlock + q * kWarp + lane]);
+      online_finish(M, S);
+      s_M[lane] = M;
+      s_S[lane] = S;
+      if (h < H) lse_out[i * H + h] = softmax_lse(M, S);
+    }
+    __syncthreads();
+    const int h1 = min(H, h0 + kWarp);
+    window_sum(
+        part_acc, D, h0 * C, h1 * C, nw, slot,
+        [&](int64_t k, int64_t x) {
+          const int hh = static_cast<int>(x / C);
+          const A M = s_M[hh - h0];
+          return M == neg_inf<A>() ? A(1)
+                                   : pfa_exp(part_ms[(slot(k) * H + hh) * 2] - M);
+        },
+        s_red, [&](int64_t x, A tot) {
+          const int hh = static_cast<int>(x / C);
+          const A M = s_M[hh - h0];
+          A r = M == neg_inf<A>() ? tot : tot * fast_recip(s_S[hh - h0]);
+          if (bias != nullptr) r += to_acc(bias[x]);
+          out[i * D + x] = from_acc<scalar_t>(r);
+        });
+  }
+}
+
+// Host: queues split_sum_kernel (nothing without a split path).
+template <typename scalar_t, typename index_t>
+inline void launch_split_sum(const SplitArgs& sp, const index_t* rowptr,
+                             int64_t E, const acc_t<scalar_t>* part, int64_t W,
+                             int64_t D, scalar_t* out, scalar_t* out2 = nullptr) {
+  if (sp.nwin == 0) return;
+  split_sum_kernel<scalar_t, index_t>
+      <<<static_cast<unsigned>(sp.nwin), kBlock, 0,
+         at::cuda::getCurrentCUDAStream()>>>(sp, rowptr, E, part, W, D, out,
+                                             out2);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// Host: queues split_softmax_combine_kernel (nothing without a split path).
+template <typename scalar_t, typename index_t>
+inline void launch_split_softmax_combine(
+    const SplitArgs& sp, const index_t* rowptr, int64_t E,
+    const acc_t<scalar_t>* part_acc, const acc_t<scalar_t>* part_ms,
+    const scalar_t* bias, int64_t H, int64_t C, scalar_t* out,
+    acc_t<scalar_t>* lse_out) {
+  if (sp.nwin == 0) return;
+  split_softmax_combine_kernel<scalar_t, index_t>
+      <<<static_cast<unsigned>(sp.nwin), kBlock, 0,
+         at::cuda::getCurrentCUDAStream()>>>(sp, rowptr, E, part_acc, part_ms,
+                                             bias, static_cast<int>(H), C, out,
+                                             lse_out);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace cuda

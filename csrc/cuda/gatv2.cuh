@@ -1,0 +1,414 @@
+// Shared parts of the gatv2 CUDA kernels (gatv2.cu: forward;
+// gatv2_backward.cu: destination pass; gatv2_bwd_cols.cu: source pass).
+#pragma once
+
+#include "utils.cuh"
+
+namespace pyg_fastattn {
+namespace cuda {
+namespace gatv2 {
+
+// Lane layout of the gatv2 kernels. A node's [H, C] row is read in units of
+// V elements (16 bytes when aligned, else 1 element): CU = C / V units per
+// head. A warp's lane = hs * G + cl: G = pow2 >= min(CU, 32) lanes share a
+// head (cl: unit), HS = 32 / G heads side by side (hs). A lane has S slots:
+//  * HEADS (KC = 1): slot t is unit cl of head h0 + hs + HS * t;
+//  * otherwise (one head per lane, CU > 32): slot t is unit cl + G * t of
+//    head h0 + hs.
+// Per-head sums are taken over a lane's slots of that head, then over the G
+// lanes of the head with xor shuffles (every lane gets the same bits). The
+// heads h0 .. h0 + HS * KH - 1 form one tile (grid y).
+struct Gatv2Layout {
+  int H, C, V;
+  int CU;        // units per head
+  int g_log;     // log2 G
+  int KH;        // heads per lane in a tile (HEADS) or 1
+  int KC;        // units per lane per head (not HEADS) or 1
+  int tile_heads;
+  int n_tiles;
+};
+
+template <int S, bool HEADS>
+struct Slots {
+  int64_t off[S];  // element offset inside a node's [H, C] row, -1: unused
+  int h[HEADS ? S : 1];  // head of each head slot, -1: outside the tile
+  static constexpr int NKH = HEADS ? S : 1;
+};
+
+template <int S, bool HEADS>
+__device__ __forceinline__ Slots<S, HEADS> decode(const Gatv2Layout& L,
+                                                  int tile, int lane) {
+  Slots<S, HEADS> sl;
+  const int G = 1 << L.g_log;
+  const int cl = lane & (G - 1), hs = lane >> L.g_log;
+  const int HS = kWarp >> L.g_log;
+  const int h0 = tile * L.tile_heads + hs;
+#pragma unroll
+  for (int t = 0; t < S; ++t) {
+    const int kh = HEADS ? t : 0;
+    const int u = HEADS ? cl : cl + G * t;
+    const int h = h0 + HS * kh;
+    const bool ok = (HEADS ? t < L.KH : t < L.KC) && h < L.H &&
+                    HS * kh < L.tile_heads && u < L.CU;
+    sl.off[t] = ok ? static_cast<int64_t>(h) * L.C + static_cast<int64_t>(u) * L.V
+                   : -1;
+  }
+#pragma unroll
+  for (int kh = 0; kh < Slots<S, HEADS>::NKH; ++kh) {
+    const int h = h0 + HS * kh;
+    sl.h[kh] = ((HEADS ? kh < L.KH : true) && h < L.H &&
+                HS * kh < L.tile_heads) ? h : -1;
+  }
+  return sl;
+}
+
+template <int S, bool HEADS>
+__device__ __forceinline__ int head_slot(int t) {
+  return HEADS ? t : 0;
+}
+
+// Loads slot t of a node row (zeros for unused slots).
+template <typename T, int V>
+__device__ __forceinline__ void load_slot(const T* __restrict__ row,
+                                          int64_t off, acc_t<T> (&x)[V]) {
+  if (off >= 0) {
+    const Vec<T, V> v = load_vec<T, V>(row + off);
+#pragma unroll
+    for (int k = 0; k < V; ++k) x[k] = vec_get<T, V>(v, k);
+  } else {
+#pragma unroll
+    for (int k = 0; k < V; ++k) x[k] = acc_t<T>(0);
+  }
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void store_slot(T* __restrict__ row, int64_t off,
+                                           const acc_t<T> (&x)[V]) {
+  if (off < 0) return;
+  Vec<T, V> v;
+#pragma unroll
+  for (int k = 0; k < V; ++k) vec_set<T, V>(v, k, x[k]);
+  store_vec<T, V>(row + off, v);
+}
+
+template <typename A>
+__device__ __forceinline__ A leaky_grad(A z, A slope, A g) {
+  return z > A(0) ? g : g * slope;
+}
+
+template <typename A>
+__device__ __forceinline__ A head_sum(A v, int g_log) {
+  return xor_sum(v, 1, 1 << g_log);
+}
+
+// idx[p + lane] (or -1 past end): the warp reads 32 edge indices with one
+// coalesced load and hands them out by shuffle, so that no edge waits on
+// its own index load.
+template <typename index_t>
+__device__ __forceinline__ int64_t batch_load(const index_t* __restrict__ idx,
+                                              int64_t p, int64_t end,
+                                              int lane) {
+  return p + lane < end ? static_cast<int64_t>(idx[p + lane]) : int64_t(-1);
+}
+
+template <typename scalar_t, typename index_t>
+struct Gatv2Args {
+  using A = acc_t<scalar_t>;
+  const index_t* rowptr;
+  const index_t* col;
+  const scalar_t* x_l;        // [Ns, H, C]
+  const scalar_t* x_r;        // [N, H, C]
+  const scalar_t* edge_term;  // [E, H, C] or nullptr
+  const scalar_t* att;        // [H, C]
+  const scalar_t* mask;       // [E, H] or nullptr
+  const scalar_t* bias;       // [H * C] or nullptr
+  int64_t N, E, Ns;
+  A slope;
+  // forward
+  scalar_t* out;   // [N, H, C]
+  A* lse_out;      // [N, H]
+  // backward
+  const index_t* colptr;  // [Ns + 1]
+  const index_t* csc_row; // [E]
+  const index_t* csc_perm;// [E]
+  const scalar_t* fout;   // forward's out [N, H, C]
+  const A* lse;           // [N, H]
+  const scalar_t* grad_out;  // [N, H, C]
+  A* delta;               // [N, H]: <grad_out[i], out[i] - bias> (pass 1)
+  A* att_partial;         // [partial rows of pass 1, H * C]
+  scalar_t* g_l;          // [Ns, H, C]
+  scalar_t* g_r;          // [N, H, C]
+  scalar_t* g_e;          // [E, H, C] or nullptr
+  // split path (utils.cuh): long rows (sp, CSR) and long columns (spc, CSC)
+  SplitArgs sp, spc;
+  A* part_acc;  // [2 * sp.nwin, H * C]: forward sums / backward grad_x_r
+  A* part_ms;   // [2 * sp.nwin, H, 2]: forward (max, sum)
+  A* part_c;    // [2 * spc.nwin, H * C]: backward grad_x_l
+};
+
+// Score partials of one edge for every head slot:
+// s[kh] = sum over the lane's slots of head kh of att * leaky(z), z kept.
+template <typename A, int S, int V, bool HEADS>
+__device__ __forceinline__ void edge_z(const A (&xl)[S][V], const A (&xr)[S][V],
+                                       const A (&et)[S][V], bool has_et,
+                                       A (&z)[S][V]) {
+#pragma unroll
+  for (int t = 0; t < S; ++t)
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      z[t][k] = has_et ? xl[t][k] + xr[t][k] + et[t][k] : xl[t][k] + xr[t][k];
+}
+
+template <typename A, int S, int V, bool HEADS, int NKH>
+__device__ __forceinline__ void head_scores(const A (&z)[S][V],
+                                            const A (&att)[S][V], A slope,
+                                            int g_log, A (&s)[NKH]) {
+#pragma unroll
+  for (int kh = 0; kh < NKH; ++kh) s[kh] = A(0);
+#pragma unroll
+  for (int t = 0; t < S; ++t)
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      s[head_slot<S, HEADS>(t)] += att[t][k] * leaky(z[t][k], slope);
+#pragma unroll
+  for (int kh = 0; kh < NKH; ++kh) s[kh] = head_sum(s[kh], g_log);
+}
+
+// Edges per gather batch of a lane with S slots of V elements
+// (kGatv2EdgeBatch; fewer as S * V grows, so the batch stays in registers).
+template <int S, int V>
+constexpr int edge_batch() {
+  return V == 1 || S * V >= 32 ? 1
+                               : (S == 1 ? kGatv2EdgeBatch : kGatv2EdgeBatch / 2);
+}
+
+template <typename T, int S, int V>
+__device__ __forceinline__ void load_row(const T* __restrict__ row,
+                                         const int64_t (&off)[S],
+                                         acc_t<T> (&x)[S][V]) {
+#pragma unroll
+  for (int t = 0; t < S; ++t) load_slot<T, V>(row, off[t], x[t]);
+}
+
+
+// ---------------------------------------------------------------------------
+// Split path. A kernel's grid.x holds `row_blocks` blocks of rows (warp per
+// row; rows over sp.split skipped) followed by one block per edge window w
+// (utils.cuh), which processes both slots of w: warp r of the block takes
+// the r-th of 8 contiguous parts of the slot's edges with the row code,
+// then the 8 warp states are merged in warp order into warp 0, which writes
+// the slot's partial. The split sums are finished by split_sum_kernel /
+// split_softmax_combine_kernel (utils.cuh).
+
+// Warp `rank`'s part [s2, t2) of edges [s, t), split in kWarpsPerBlock.
+__device__ __forceinline__ void warp_part(int64_t s, int64_t t, int rank,
+                                          int64_t& s2, int64_t& t2) {
+  const int64_t n = t - s;
+  s2 = s + n * rank / kWarpsPerBlock;
+  t2 = s + n * (rank + 1) / kWarpsPerBlock;
+}
+
+// Dynamic shared memory of a window block: one warp's S x V slots and
+// 2 x NKH softmax states per lane.
+template <typename A, int S, int V, int NKH>
+constexpr size_t merge_smem() {
+  return sizeof(A) * kWarp * (S * V + 2 * NKH);
+}
+
+// x of warps 1..7 added into warp 0's x, in warp order (all threads of the
+// block call it; sh: merge_smem()).
+template <typename A, int S, int V>
+__device__ __forceinline__ void block_sum_slots(A (&x)[S][V], A* sh, int rank) {
+  const int lane = lane_id();
+  for (int r = 1; r < kWarpsPerBlock; ++r) {
+    if (rank == r) {
+#pragma unroll
+      for (int t = 0; t < S; ++t)
+#pragma unroll
+        for (int k = 0; k < V; ++k) sh[(t * V + k) * kWarp + lane] = x[t][k];
+    }
+    __syncthreads();
+    if (rank == 0) {
+#pragma unroll
+      for (int t = 0; t < S; ++t)
+#pragma unroll
+        for (int k = 0; k < V; ++k) x[t][k] += sh[(t * V + k) * kWarp + lane];
+    }
+    __syncthreads();
+  }
+}
+
+// Online-softmax states (m, den, acc) of warps 1..7 merged into warp 0's,
+// in warp order, rescaled to the larger maximum (as online_merge).
+template <typename A, int S, int V, bool HEADS, int NKH>
+__device__ __forceinline__ void block_merge_softmax(A (&m)[NKH], A (&den)[NKH],
+                                                    A (&acc)[S][V], A* sh,
+                                                    int rank) {
+  const int lane = lane_id();
+  A* sm = sh + S * V * kWarp;
+  for (int r = 1; r < kWarpsPerBlock; ++r) {
+    if (rank == r) {
+#pragma unroll
+      for (int t = 0; t < S; ++t)
+#pragma unroll
+        for (int k = 0; k < V; ++k) sh[(t * V + k) * kWarp + lane] = acc[t][k];
+#pragma unroll
+      for (int kh = 0; kh < NKH; ++kh) {
+        sm[(2 * kh) * kWarp + lane] = m[kh];
+        sm[(2 * kh + 1) * kWarp + lane] = den[kh];
+      }
+    }
+    __syncthreads();
+    if (rank == 0) {
+      A f0[NKH], f1[NKH];
+#pragma unroll
+      for (int kh = 0; kh < NKH; ++kh) {
+        const A m2 = sm[(2 * kh) * kWarp + lane];
+        const A d2 = sm[(2 * kh + 1) * kWarp + lane];
+        const A mx = m[kh] > m2 ? m[kh] : m2;
+        f0[kh] = mx == neg_inf<A>() ? A(1) : pfa_exp(m[kh] - mx);
+        f1[kh] = mx == neg_inf<A>() ? A(1) : pfa_exp(m2 - mx);
+        den[kh] = den[kh] * f0[kh] + d2 * f1[kh];
+        m[kh] = mx;
+      }
+#pragma unroll
+      for (int t = 0; t < S; ++t) {
+        const int kh = head_slot<S, HEADS>(t);
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          acc[t][k] = acc[t][k] * f0[kh] + sh[(t * V + k) * kWarp + lane] * f1[kh];
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// Stores a lane's slots as accumulators (partials).
+template <typename A, int S, int V>
+__device__ __forceinline__ void store_part(A* __restrict__ row,
+                                           const int64_t (&off)[S],
+                                           const A (&x)[S][V]) {
+#pragma unroll
+  for (int t = 0; t < S; ++t) {
+    if (off[t] < 0) continue;
+#pragma unroll
+    for (int k = 0; k < V; ++k) row[off[t] + k] = x[t][k];
+  }
+}
+
+inline SplitPlan gatv2_split_plan() {
+  return split_plan(kGatv2SplitEdges, kGatv2SplitChunk);
+}
+
+// Grid x of a row kernel with its window blocks.
+inline unsigned split_grid_x(int64_t row_blocks, const SplitArgs& sp) {
+  const int64_t bx = row_blocks + sp.nwin;
+  PFA_CHECK(bx < (int64_t(1) << 31), "gatv2_attention: grid too large: ", bx);
+  return static_cast<unsigned>(bx);
+}
+
+inline at::Tensor opt_contig(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->contiguous() : at::Tensor();
+}
+
+template <typename T>
+inline const T* ptr_or_null(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<T>() : nullptr;
+}
+
+// Layout and template choice for H heads of C channels, V elements a unit.
+struct Gatv2Plan {
+  Gatv2Layout L;
+  int S;        // 1, 4 or 32 slots
+  bool heads;   // slots are heads
+};
+
+inline Gatv2Plan make_plan(int64_t H, int64_t C, int V) {
+  Gatv2Plan P;
+  Gatv2Layout& L = P.L;
+  L.H = static_cast<int>(H);
+  L.C = static_cast<int>(C);
+  L.V = V;
+  L.CU = static_cast<int>(C / V);
+  const int G = next_pow2(std::min<int64_t>(std::max(L.CU, 1), kWarp));
+  L.g_log = log2_pow2(G);
+  const int HS = kWarp / G;
+  L.KC = static_cast<int>(ceil_div(std::max(L.CU, 1), G));
+  PFA_CHECK(L.KC <= 32, "gatv2_attention: at most ", 32 * 32 * V,
+            " channels per head for this dtype and alignment on CUDA, got ", C);
+  if (L.KC == 1) {
+    const int64_t need = ceil_div(H, HS);
+    L.KH = static_cast<int>(std::min<int64_t>(kGatv2LaneSlots, std::max<int64_t>(need, 1)));
+    P.heads = true;
+    P.S = L.KH == 1 ? 1 : 4;
+  } else {
+    L.KH = 1;
+    P.heads = false;
+    P.S = L.KC <= 4 ? 4 : 32;
+  }
+  L.tile_heads = HS * L.KH;
+  L.n_tiles = static_cast<int>(ceil_div(std::max<int64_t>(H, 1), L.tile_heads));
+  PFA_CHECK(L.n_tiles <= 65535, "gatv2_attention: too many heads: ", H);
+  return P;
+}
+
+// Calls f(V, S, HEADS) with compile-time constants.
+template <typename scalar_t, typename F>
+inline void dispatch_plan(bool vec, const Gatv2Plan& P, F&& f) {
+  constexpr int VW = vec_width<scalar_t>();
+  auto with_v = [&](auto v) {
+    if (P.S == 1)
+      f(v, std::integral_constant<int, 1>(), std::true_type());
+    else if (P.S == 4 && P.heads)
+      f(v, std::integral_constant<int, 4>(), std::true_type());
+    else if (P.S == 4)
+      f(v, std::integral_constant<int, 4>(), std::false_type());
+    else
+      f(v, std::integral_constant<int, 32>(), std::false_type());
+  };
+  if (vec)
+    with_v(std::integral_constant<int, VW>());
+  else
+    with_v(std::integral_constant<int, 1>());
+}
+
+template <typename scalar_t, typename index_t>
+Gatv2Args<scalar_t, index_t> make_args(const at::Tensor& rowptr,
+                                       const at::Tensor& col,
+                                       const at::Tensor& x_l,
+                                       const at::Tensor& x_r,
+                                       const at::Tensor& edge_term,
+                                       const at::Tensor& att,
+                                       const at::Tensor& mask,
+                                       const at::Tensor& bias, double slope) {
+  Gatv2Args<scalar_t, index_t> a{};
+  a.rowptr = rowptr.data_ptr<index_t>();
+  a.col = col.data_ptr<index_t>();
+  a.x_l = x_l.data_ptr<scalar_t>();
+  a.x_r = x_r.data_ptr<scalar_t>();
+  a.edge_term = ptr_or_null<scalar_t>(edge_term);
+  a.att = att.data_ptr<scalar_t>();
+  a.mask = ptr_or_null<scalar_t>(mask);
+  a.bias = ptr_or_null<scalar_t>(bias);
+  a.N = rowptr.numel() - 1;
+  a.E = col.numel();
+  a.Ns = x_l.size(0);
+  a.slope = static_cast<acc_t<scalar_t>>(slope);
+  return a;
+}
+
+inline bool all_aligned(std::initializer_list<const void*> ps) {
+  for (const void* p : ps)
+    if (p != nullptr && !aligned16(p)) return false;
+  return true;
+}
+
+// Backward source pass (gatv2_bwd_cols.cu): grad_x_l into a.g_l, long
+// columns (a.spc) through a.part_c.
+template <typename scalar_t, typename index_t>
+void launch_bwd_cols(const Gatv2Args<scalar_t, index_t>& a, const Gatv2Plan& P,
+                     bool vec);
+
+}  // namespace gatv2
+}  // namespace cuda
+}  // namespace pyg_fastattn
