@@ -183,9 +183,11 @@ constexpr int64_t kGatv2CudaBwdBlocks = 2048;
 // that go to further tiles of the grid's y dimension.
 constexpr int kGatv2LaneSlots = 4;
 // CUDA: split path of the gatv2 kernels (one warp walks a row's edges one
-// by one, so long rows are split sooner than kSplitEdges).
+// by one, so long rows are split sooner than kSplitEdges). A window of
+// kGatv2SplitChunk edges goes to one block; the window partials take
+// 2 * E / chunk rows of H * C accumulators whenever E exceeds the split.
 constexpr int64_t kGatv2SplitEdges = 2048;
-constexpr int64_t kGatv2SplitChunk = 1024;
+constexpr int64_t kGatv2SplitChunk = 2048;
 // CUDA: edges whose gathers a gatv2 warp issues before using them (lanes of
 // one head slot; half as many with 4 slots; 1 when a lane's slots hold 32
 // elements or more, or rows are unaligned).

@@ -18,7 +18,8 @@
 #   ops    benchmarks/bench_ops.py --device $DEV
 #   gat    benchmarks/bench_gat.py --device $DEV --cuda-graph
 #   profile  benchmarks/profile_gat.py --device $DEV (not in the default set;
-#          PROFILE_ONLY / PROFILE_PROVIDERS: its --only / --providers)
+#          PROFILE_CONV / PROFILE_ONLY / PROFILE_PROVIDERS: its --conv /
+#          --only / --providers)
 #   prepare  benchmarks/bench_prepare.py --device $DEV --sizes 1M:20M (graph
 #          preparation and the fresh-graph step; not in the default set)
 #   ddp    examples/train_ddp.py under torchrun (NCCL), 1 process and one
@@ -343,7 +344,7 @@ exit \$rc"
 fi
 
 if [ $want_profile -eq 1 ]; then
-    run_step profile "${T_PROFILE:-120}" "python3 benchmarks/profile_gat.py --device $DEV ${PROFILE_ONLY:+--only '$PROFILE_ONLY'} ${PROFILE_PROVIDERS:+--providers '$PROFILE_PROVIDERS'}"
+    run_step profile "${T_PROFILE:-120}" "python3 benchmarks/profile_gat.py --device $DEV ${PROFILE_CONV:+--conv '$PROFILE_CONV'} ${PROFILE_ONLY:+--only '$PROFILE_ONLY'} ${PROFILE_PROVIDERS:+--providers '$PROFILE_PROVIDERS'}"
 fi
 
 if [ $want_prepare -eq 1 ]; then

@@ -602,15 +602,6 @@ __global__ void __launch_bounds__(kBlock, LEAN ? 3 : 2)
   }
 }
 
-inline at::Tensor opt_contig(const c10::optional<at::Tensor>& t) {
-  return t.has_value() ? t->contiguous() : at::Tensor();
-}
-
-template <typename T>
-inline const T* opt_ptr(const at::Tensor& t) {
-  return t.defined() ? t.data_ptr<T>() : nullptr;
-}
-
 // Inputs shared by the forward and backward launches (outputs set by each).
 template <typename scalar_t, typename index_t>
 AttnArgs<scalar_t, index_t> attn_args(const at::Tensor& rowptr,

@@ -190,6 +190,24 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row,
   for (int t = 0; t < S; ++t) load_slot<T, V>(row, off[t], x[t]);
 }
 
+// Issues the gathers of CSR positions e0 .. e0 + B - 1 before any is used:
+// source jv[b] (lane kb + b of the warp's index batch jb; -1 past the end
+// or out of range, warp-uniform), its x_l row and the edge_term row.
+template <int B, typename scalar_t, typename index_t, int S, int V>
+__device__ __forceinline__ void gather_edges(
+    const Gatv2Args<scalar_t, index_t>& a, const int64_t (&off)[S],
+    int64_t HC, int64_t e0, int kb, int64_t jb, bool has_et, int64_t (&jv)[B],
+    acc_t<scalar_t> (&xlb)[B][S][V], acc_t<scalar_t> (&etb)[B][S][V]) {
+#pragma unroll
+  for (int b = 0; b < B; ++b) {
+    jv[b] = __shfl_sync(kFullMask, jb, kb + b);
+    if (jv[b] >= a.Ns) jv[b] = -1;
+    if (jv[b] < 0) continue;
+    load_row<scalar_t, S, V>(a.x_l + jv[b] * HC, off, xlb[b]);
+    if (has_et) load_row<scalar_t, S, V>(a.edge_term + (e0 + b) * HC, off, etb[b]);
+  }
+}
+
 
 // ---------------------------------------------------------------------------
 // Split path. A kernel's grid.x holds `row_blocks` blocks of rows (warp per
@@ -307,13 +325,12 @@ inline unsigned split_grid_x(int64_t row_blocks, const SplitArgs& sp) {
   return static_cast<unsigned>(bx);
 }
 
-inline at::Tensor opt_contig(const c10::optional<at::Tensor>& t) {
-  return t.has_value() ? t->contiguous() : at::Tensor();
-}
-
+// Elements of a unit on aligned rows: 16 bytes of 32- and 64-bit floats, 8
+// bytes of 16-bit ones, so that 16-bit rows get float32's lanes and
+// registers (16-byte units would leave half of a warp idle at C = 32).
 template <typename T>
-inline const T* ptr_or_null(const at::Tensor& t) {
-  return t.defined() ? t.data_ptr<T>() : nullptr;
+constexpr int gatv2_vec() {
+  return vec_width<T>() < 4 ? vec_width<T>() : 4;
 }
 
 // Layout and template choice for H heads of C channels, V elements a unit.
@@ -355,7 +372,7 @@ inline Gatv2Plan make_plan(int64_t H, int64_t C, int V) {
 // Calls f(V, S, HEADS) with compile-time constants.
 template <typename scalar_t, typename F>
 inline void dispatch_plan(bool vec, const Gatv2Plan& P, F&& f) {
-  constexpr int VW = vec_width<scalar_t>();
+  constexpr int VW = gatv2_vec<scalar_t>();
   auto with_v = [&](auto v) {
     if (P.S == 1)
       f(v, std::integral_constant<int, 1>(), std::true_type());
@@ -386,10 +403,10 @@ Gatv2Args<scalar_t, index_t> make_args(const at::Tensor& rowptr,
   a.col = col.data_ptr<index_t>();
   a.x_l = x_l.data_ptr<scalar_t>();
   a.x_r = x_r.data_ptr<scalar_t>();
-  a.edge_term = ptr_or_null<scalar_t>(edge_term);
+  a.edge_term = opt_ptr<scalar_t>(edge_term);
   a.att = att.data_ptr<scalar_t>();
-  a.mask = ptr_or_null<scalar_t>(mask);
-  a.bias = ptr_or_null<scalar_t>(bias);
+  a.mask = opt_ptr<scalar_t>(mask);
+  a.bias = opt_ptr<scalar_t>(bias);
   a.N = rowptr.numel() - 1;
   a.E = col.numel();
   a.Ns = x_l.size(0);

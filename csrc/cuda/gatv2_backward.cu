@@ -106,15 +106,7 @@ __global__ void __launch_bounds__(kBlock)
       if (kb == 0) jb = batch_load(a.col, e0, end, lane);
       int64_t jv[B];
       A xlb[B][S][V], etb[B][S][V];
-#pragma unroll
-      for (int b = 0; b < B; ++b) {  // issue the batch's gathers first
-        jv[b] = __shfl_sync(kFullMask, jb, kb + b);  // -1 past end
-        if (jv[b] >= a.Ns) jv[b] = -1;
-        if (jv[b] < 0) continue;  // warp-uniform
-        load_row<scalar_t, S, V>(a.x_l + jv[b] * HC, sl.off, xlb[b]);
-        if (has_et)
-          load_row<scalar_t, S, V>(a.edge_term + (e0 + b) * HC, sl.off, etb[b]);
-      }
+      gather_edges<B>(a, sl.off, HC, e0, kb, jb, has_et, jv, xlb, etb);
 #pragma unroll
       for (int b = 0; b < B; ++b) {
         const int64_t e = e0 + b;
@@ -280,7 +272,7 @@ gatv2_attention_backward_cuda(
       a.g_l = g_l.data_ptr<scalar_t>();
       a.g_r = g_r.data_ptr<scalar_t>();
       a.g_e = want_edge ? g_e.data_ptr<scalar_t>() : nullptr;
-      constexpr int VW = vec_width<scalar_t>();
+      constexpr int VW = gatv2_vec<scalar_t>();
       const bool vec = C % VW == 0 &&
                        all_aligned({a.x_l, a.x_r, a.edge_term, a.att, a.bias,
                                     a.fout, a.grad_out, a.g_l, a.g_r, a.g_e});

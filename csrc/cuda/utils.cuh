@@ -337,6 +337,17 @@ inline TileLayout make_layout(int64_t H, int64_t C, int V, bool channel_tiles) {
   return L;
 }
 
+// Contiguous copy of an optional tensor, or an undefined tensor; the data
+// pointer of a possibly undefined one (nullptr).
+inline at::Tensor opt_contig(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->contiguous() : at::Tensor();
+}
+
+template <typename T>
+inline const T* opt_ptr(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<T>() : nullptr;
+}
+
 inline bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
