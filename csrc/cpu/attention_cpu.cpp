@@ -157,22 +157,9 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
         segment(i, b, e, p, p + HC, p + HC + H, zs.data(), zs.data() + H);
       });
       cpu::parallel_long_rows(sp, [&](int64_t k, int64_t i) {
-        std::vector<acc_t> buf(HC + 2 * H, acc_t(0));
+        std::vector<acc_t> buf(P);
         acc_t *acc = buf.data(), *m = acc + HC, *den = m + H;
-        std::fill(m, m + H, -inf);
-        for (int64_t q = sp.first[k]; q < sp.first[k + 1]; ++q)
-          for (int64_t h = 0; h < H; ++h)
-            m[h] = std::max(m[h], part[q * P + HC + h]);
-        for (int64_t q = sp.first[k]; q < sp.first[k + 1]; ++q) {
-          const acc_t* p = part.data() + q * P;
-          for (int64_t h = 0; h < H; ++h) {
-            // A chunk without a finite max adds 0 (or its NaN).
-            const acc_t mq = p[HC + h];
-            const acc_t f = mq == -inf ? acc_t(0) : std::exp(mq - m[h]);
-            den[h] += f * p[HC + H + h];
-            for (int64_t c = 0; c < C; ++c) acc[h * C + c] += f * p[h * C + c];
-          }
-        }
+        cpu::combine_softmax_chunks(sp, k, part.data(), H, C, acc, m, den);
         finish(i, acc, m, den);
       });
     });
@@ -317,9 +304,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
         segment(j, b, end, p, p + HC);
       });
       cpu::parallel_long_rows(sp, [&](int64_t k, int64_t j) {
-        std::vector<acc_t> buf(P, acc_t(0));
-        for (int64_t q = sp.first[k]; q < sp.first[k + 1]; ++q)
-          for (int64_t x = 0; x < P; ++x) buf[x] += part[q * P + x];
+        std::vector<acc_t> buf(P);
+        cpu::sum_chunks(sp, k, part.data(), P, buf.data());
         store(j, buf.data(), buf.data() + HC);
       });
     });

@@ -68,6 +68,8 @@ std::vector<at::opmath_type<scalar_t>> to_acc(const scalar_t* p, int64_t n) {
 // with an online softmax per head: running max m, sum den of exp(s - m) and
 // acc of exp(s - m) * mask * x_l[j], rescaled when m grows; divided at the
 // end (plus the bias). The score is computed once per edge and never stored.
+// Rows over the split threshold (split_rows) are cut into fixed chunks, one
+// online-softmax partial {acc, m, den} each, combined per row in chunk order.
 std::tuple<at::Tensor, at::Tensor> gatv2_attention_cpu(
     const at::Tensor& rowptr_, const at::Tensor& col_, const at::Tensor& x_l_,
     const at::Tensor& x_r_, const OptTensor& edge_term_,
@@ -101,64 +103,120 @@ std::tuple<at::Tensor, at::Tensor> gatv2_attention_cpu(
       const scalar_t* bs = cpu::data_or_null<scalar_t>(bias);
       scalar_t* o = out.data_ptr<scalar_t>();
       acc_t* l = lse.data_ptr<acc_t>();
-      cpu::parallel_rows(rp, N, E, 2 * HC, [&](int64_t r0, int64_t r1) {
-        std::vector<acc_t> buf(3 * HC + 3 * H);
-        acc_t *acc = buf.data(), *xr_i = acc + HC, *z = xr_i + HC,
-              *m = z + HC, *den = m + H, *s = den + H;
-        for (int64_t i = r0; i < r1; ++i) {
-          const auto [b, e] = cpu::row_range(rp, i, E);
-          for (int64_t q = 0; q < HC; ++q) xr_i[q] = acc_t(xr[i * HC + q]);
-          std::fill(m, m + H, -inf);
-          std::fill(den, den + H, acc_t(0));
-          std::fill(acc, acc + HC, acc_t(0));
-          for (int64_t k = b; k < e; ++k) {
-            const int64_t j = cl[k];
-            cpu::prefetch_ahead(cl, k, E, xl, Ns, HC);
-            if (j < 0 || j >= Ns) continue;
-            score(xr_i, j, k, z, s);
-            const scalar_t* xj = xl + j * HC;
-            for (int64_t h = 0; h < H; ++h) {
-              const acc_t x = s[h];
-              acc_t scale = 1, p;
-              if (x > m[h]) {  // new maximum: rescale what was summed
-                scale = std::exp(m[h] - x);
-                m[h] = x;
-                p = 1;
-              } else if (x == -inf) {
-                continue;
-              } else {
-                p = std::exp(x - m[h]);  // NaN propagates to den and acc
-              }
-              den[h] = den[h] * scale + p;
-              const acc_t w = mask ? p * acc_t(mask[k * H + h]) : p;
-              acc_t* a = acc + h * C;
-              const scalar_t* v = xj + h * C;
-              if (scale != acc_t(1))
-                for (int64_t c = 0; c < C; ++c) a[c] = a[c] * scale + w * acc_t(v[c]);
-              else
-                for (int64_t c = 0; c < C; ++c) a[c] += w * acc_t(v[c]);
-            }
-          }
+      // Online softmax over the edges [b, e) of row i into acc [HC], m [H],
+      // den [H] (acc and den relative to m; m = -inf and both 0 if no edge
+      // has a weight). buf: 2 * HC + H scratch.
+      auto segment = [&](int64_t i, int64_t b, int64_t e, acc_t* acc, acc_t* m,
+                         acc_t* den, acc_t* buf) {
+        acc_t *xr_i = buf, *z = xr_i + HC, *s = z + HC;
+        for (int64_t q = 0; q < HC; ++q) xr_i[q] = acc_t(xr[i * HC + q]);
+        std::fill(m, m + H, -inf);
+        std::fill(den, den + H, acc_t(0));
+        std::fill(acc, acc + HC, acc_t(0));
+        for (int64_t k = b; k < e; ++k) {
+          const int64_t j = cl[k];
+          cpu::prefetch_ahead(cl, k, E, xl, Ns, HC);
+          if (j < 0 || j >= Ns) continue;
+          score(xr_i, j, k, z, s);
+          const scalar_t* xj = xl + j * HC;
           for (int64_t h = 0; h < H; ++h) {
-            // A +inf score gives NaN, as exp(inf - inf) in the reference.
-            if (m[h] == inf) den[h] = std::numeric_limits<acc_t>::quiet_NaN();
-            l[i * H + h] = std::log(den[h]) + (m[h] == -inf ? acc_t(0) : m[h]);
-            const acc_t d = den[h] == 0 ? acc_t(1) : den[h];  // empty: acc is 0
-            for (int64_t c = 0; c < C; ++c) {
-              const int64_t q = h * C + c;
-              const acc_t r = acc[q] / d;
-              o[i * HC + q] = scalar_t(bs ? r + acc_t(bs[q]) : r);
+            const acc_t x = s[h];
+            acc_t scale = 1, p;
+            if (x > m[h]) {  // new maximum: rescale what was summed
+              scale = std::exp(m[h] - x);
+              m[h] = x;
+              p = 1;
+            } else if (x == -inf) {
+              continue;
+            } else {
+              p = std::exp(x - m[h]);  // NaN propagates to den and acc
             }
+            den[h] = den[h] * scale + p;
+            const acc_t w = mask ? p * acc_t(mask[k * H + h]) : p;
+            acc_t* a = acc + h * C;
+            const scalar_t* v = xj + h * C;
+            if (scale != acc_t(1))
+              for (int64_t c = 0; c < C; ++c) a[c] = a[c] * scale + w * acc_t(v[c]);
+            else
+              for (int64_t c = 0; c < C; ++c) a[c] += w * acc_t(v[c]);
           }
         }
+      };
+      // out = acc / den (+ bias), lse = log(den) + m.
+      auto finish = [&](int64_t i, const acc_t* acc, const acc_t* m, acc_t* den) {
+        for (int64_t h = 0; h < H; ++h) {
+          // A +inf score gives NaN, as exp(inf - inf) in the reference.
+          if (m[h] == inf) den[h] = std::numeric_limits<acc_t>::quiet_NaN();
+          l[i * H + h] = std::log(den[h]) + (m[h] == -inf ? acc_t(0) : m[h]);
+          const acc_t d = den[h] == 0 ? acc_t(1) : den[h];  // empty: acc is 0
+          for (int64_t c = 0; c < C; ++c) {
+            const int64_t q = h * C + c;
+            const acc_t r = acc[q] / d;
+            o[i * HC + q] = scalar_t(bs ? r + acc_t(bs[q]) : r);
+          }
+        }
+      };
+      const cpu::SplitRows sp = cpu::split_rows(rp, N, E);
+      const int64_t P = HC + 2 * H;  // one partial: {acc, m, den}
+      cpu::parallel_rows(rp, N, E, 2 * HC, [&](int64_t r0, int64_t r1) {
+        std::vector<acc_t> buf(P + 2 * HC + H);
+        acc_t *acc = buf.data(), *m = acc + HC, *den = m + H;
+        for (int64_t i = r0; i < r1; ++i) {
+          const auto [b, e] = cpu::row_range(rp, i, E);
+          if (sp.is_long(b, e)) continue;  // split below
+          segment(i, b, e, acc, m, den, acc + P);
+          finish(i, acc, m, den);
+        }
+      });
+      std::vector<acc_t> part(sp.chunks() * P);
+      cpu::parallel_chunks(sp, rp, E, [&](int64_t, int64_t i, int64_t b,
+                                           int64_t e, int64_t q) {
+        std::vector<acc_t> buf(2 * HC + H);
+        acc_t* p = part.data() + q * P;
+        segment(i, b, e, p, p + HC, p + HC + H, buf.data());
+      });
+      cpu::parallel_long_rows(sp, [&](int64_t k, int64_t i) {
+        std::vector<acc_t> buf(P);
+        acc_t *acc = buf.data(), *m = acc + HC, *den = m + H;
+        cpu::combine_softmax_chunks(sp, k, part.data(), H, C, acc, m, den);
+        finish(i, acc, m, den);
       });
     });
   });
   return {out, lse};
 }
 
+// Per-channel loops of one head in the backward, with restrict pointers
+// so that they vectorize (each element on its own: the same values as the
+// scalar loop).
+// Row pass: gz = leaky'(z) * gs * att, gatt += gs * leaky(z).
+template <typename acc_t>
+inline void row_head_grads(const acc_t* __restrict z, const acc_t* __restrict att,
+                           acc_t gs, acc_t slope, int64_t C,
+                           acc_t* __restrict gz, acc_t* __restrict gatt) {
+  for (int64_t c = 0; c < C; ++c) {
+    gz[c] = cpu::leaky_grad(z[c], slope, gs * att[c]);
+    gatt[c] += gs * cpu::leaky(z[c], slope);
+  }
+}
+
+template <typename acc_t>
+inline void add_into(acc_t* __restrict dst, const acc_t* __restrict src,
+                     int64_t n) {
+  for (int64_t q = 0; q < n; ++q) dst[q] += src[q];
+}
+
+// Column pass: gxl += p * grad_out + leaky'(z) * gs * att.
+template <typename scalar_t, typename acc_t>
+inline void col_head_grads(const acc_t* __restrict z, const acc_t* __restrict att,
+                           const scalar_t* __restrict go, acc_t p, acc_t gs,
+                           acc_t slope, int64_t C, acc_t* __restrict gxl) {
+  for (int64_t c = 0; c < C; ++c)
+    gxl[c] += p * acc_t(go[c]) + cpu::leaky_grad(z[c], slope, gs * att[c]);
+}
+
 // Row r goes to group g when its cost rowptr[r] + r lies in
-// [g * chunk, (g + 1) * chunk): fixed groups of about equal work.
+// [g * width, (g + 1) * width): fixed groups of about equal work.
 template <typename index_t>
 int64_t first_row_of_cost(const index_t* rowptr, int64_t N, int64_t E,
                           int64_t c) {
@@ -170,16 +228,20 @@ int64_t first_row_of_cost(const index_t* rowptr, int64_t N, int64_t E,
   return lo;
 }
 
-// Pass 1, by destination row, over kGatv2CpuGroups fixed row groups (in
-// parallel): per edge the score and alpha = exp(s - lse), g = mask *
-// <grad_out[i], x_l[j]>, grad_s = alpha * (g - <grad_out[i], out[i] - bias>)
-// (kept
-// in [E, H]), grad_z = grad_s * att * leaky'(z) summed into grad_x_r[i]
-// (and stored as grad_edge_term[e]), grad_s * leaky(z) into the group's
-// grad_att partial. The partials are summed in group order.
+// Pass 1, by destination row, over kGatv2CpuGroups fixed row groups (taken
+// by threads from a shared counter): per edge the score and alpha = exp(s -
+// lse), g = mask * <grad_out[i], x_l[j]>, grad_s = alpha * (g - <grad_out[i],
+// out[i] - bias>) (kept in [E, H]), grad_z = grad_s * att * leaky'(z) summed
+// into grad_x_r[i] (and stored as grad_edge_term[e]), grad_s * leaky(z) into
+// the group's grad_att partial. Rows over the split threshold are skipped by
+// the groups and cut into fixed chunks, each with its own grad_x_r and
+// grad_att partial; a long row sums its grad_x_r partials in chunk order,
+// and grad_att = the group partials in group order, then the chunk partials
+// in chunk order.
 // Pass 2, by source over the transpose (parallel_rows on colptr): for each
 // out-edge e = (j -> i) the score is recomputed for alpha and leaky'(z) and
-// grad_x_l[j] += alpha * mask * grad_out[i] + grad_z. Every output has one
+// grad_x_l[j] += alpha * mask * grad_out[i] + grad_z; long columns are cut
+// into chunks whose partials are summed in chunk order. Every output has one
 // writer and a fixed summation order: bitwise equal for any thread count.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 gatv2_attention_backward_cpu(
@@ -238,108 +300,142 @@ gatv2_attention_backward_cpu(
       scalar_t* gr_ptr = g_r.data_ptr<scalar_t>();
       scalar_t* ge_ptr = want_edge ? g_e.data_ptr<scalar_t>() : nullptr;
 
-      // ---- pass 1: by destination row, fixed groups
-      const int64_t total = N + E, chunk = (total + G - 1) / G;
-      at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
-        std::vector<acc_t> buf(3 * HC + 3 * H);
-        acc_t *xr_i = buf.data(), *z = xr_i + HC, *gxr = z + HC, *s = gxr + HC,
+      // ---- pass 1: by destination row
+      // Edges [b, e) of row i: writes grad_s and grad_edge_term, adds grad_z
+      // to gxr [HC] and grad_s * leaky(z) to gatt [HC]. buf: 3 * HC + 3 * H
+      // scratch.
+      auto row_segment = [&](int64_t i, int64_t b, int64_t e, acc_t* gxr,
+                             acc_t* gatt, acc_t* buf) {
+        acc_t *xr_i = buf, *z = xr_i + HC, *zl = z + HC, *s = zl + HC,
               *delta = s + H, *gsv = delta + H;
-        for (int64_t g = g0; g < g1; ++g) {
-          acc_t* pg = part + g * HC;
-          const int64_t r0 = first_row_of_cost(rp, N, E, g * chunk);
-          const int64_t r1 = first_row_of_cost(rp, N, E, std::min(total, (g + 1) * chunk));
-          for (int64_t i = r0; i < r1; ++i) {
-            const auto [b, e] = cpu::row_range(rp, i, E);
-            const scalar_t* go_i = go + i * HC;
-            for (int64_t q = 0; q < HC; ++q) xr_i[q] = acc_t(xr[i * HC + q]);
-            for (int64_t h = 0; h < H; ++h) {  // <grad_out, out - bias>
-              const scalar_t* o_ih = o + i * HC + h * C;
-              if (bs) {
-                acc_t d = 0;
-                for (int64_t c = 0; c < C; ++c)
-                  d += acc_t(go_i[h * C + c]) *
-                       (acc_t(o_ih[c]) - acc_t(bs[h * C + c]));
-                delta[h] = d;
-              } else {
-                delta[h] = cpu::dot(go_i + h * C, o_ih, C);
-              }
-            }
-            std::fill(gxr, gxr + HC, acc_t(0));
-            for (int64_t k = b; k < e; ++k) {
-              const int64_t j = cl[k];
-              cpu::prefetch_ahead(cl, k, E, xl, Ns, HC);
-              scalar_t* ge_k = ge_ptr ? ge_ptr + k * HC : nullptr;
-              if (j < 0 || j >= Ns) {
-                std::fill(gs_ptr + k * H, gs_ptr + (k + 1) * H, acc_t(0));
-                if (ge_k) std::fill(ge_k, ge_k + HC, scalar_t(0));
-                continue;
-              }
-              score(xr_i, j, k, z, s);
-              const scalar_t* xj = xl + j * HC;
-              for (int64_t h = 0; h < H; ++h) {
-                const acc_t lse_ih = l[i * H + h];
-                acc_t gs = 0;
-                if (std::isfinite(lse_ih)) {  // else the row has no weight
-                  const acc_t alpha = std::exp(s[h] - lse_ih);
-                  acc_t gv = cpu::dot(go_i + h * C, xj + h * C, C);
-                  if (mask) gv *= acc_t(mask[k * H + h]);
-                  gs = alpha * (gv - delta[h]);
-                }
-                gs_ptr[k * H + h] = gs;
-                gsv[h] = gs;
-              }
-              for (int64_t h = 0; h < H; ++h) {
-                const acc_t gs = gsv[h];
-                for (int64_t c = 0; c < C; ++c) {
-                  const int64_t q = h * C + c;
-                  const acc_t gz = cpu::leaky_grad(z[q], slope, gs * att[q]);
-                  gxr[q] += gz;
-                  if (ge_k) ge_k[q] = scalar_t(gz);
-                  pg[q] += gs * cpu::leaky(z[q], slope);
-                }
-              }
-            }
-            for (int64_t q = 0; q < HC; ++q) gr_ptr[i * HC + q] = scalar_t(gxr[q]);
+        const scalar_t* go_i = go + i * HC;
+        for (int64_t q = 0; q < HC; ++q) xr_i[q] = acc_t(xr[i * HC + q]);
+        for (int64_t h = 0; h < H; ++h) {  // <grad_out, out - bias>
+          const scalar_t* o_ih = o + i * HC + h * C;
+          if (bs) {
+            acc_t d = 0;
+            for (int64_t c = 0; c < C; ++c)
+              d += acc_t(go_i[h * C + c]) *
+                   (acc_t(o_ih[c]) - acc_t(bs[h * C + c]));
+            delta[h] = d;
+          } else {
+            delta[h] = cpu::dot(go_i + h * C, o_ih, C);
           }
         }
+        for (int64_t k = b; k < e; ++k) {
+          const int64_t j = cl[k];
+          cpu::prefetch_ahead(cl, k, E, xl, Ns, HC);
+          scalar_t* ge_k = ge_ptr ? ge_ptr + k * HC : nullptr;
+          if (j < 0 || j >= Ns) {
+            std::fill(gs_ptr + k * H, gs_ptr + (k + 1) * H, acc_t(0));
+            if (ge_k) std::fill(ge_k, ge_k + HC, scalar_t(0));
+            continue;
+          }
+          score(xr_i, j, k, z, s);
+          const scalar_t* xj = xl + j * HC;
+          for (int64_t h = 0; h < H; ++h) {
+            const acc_t lse_ih = l[i * H + h];
+            acc_t gs = 0;
+            if (std::isfinite(lse_ih)) {  // else the row has no weight
+              const acc_t alpha = std::exp(s[h] - lse_ih);
+              acc_t gv = cpu::dot(go_i + h * C, xj + h * C, C);
+              if (mask) gv *= acc_t(mask[k * H + h]);
+              gs = alpha * (gv - delta[h]);
+            }
+            gs_ptr[k * H + h] = gs;
+            gsv[h] = gs;
+          }
+          for (int64_t h = 0; h < H; ++h)
+            row_head_grads(z + h * C, att.data() + h * C, gsv[h], slope, C,
+                           zl + h * C, gatt + h * C);
+          add_into(gxr, zl, HC);
+          if (ge_k)
+            for (int64_t q = 0; q < HC; ++q) ge_k[q] = scalar_t(zl[q]);
+        }
+      };
+      const cpu::SplitRows sp = cpu::split_rows(rp, N, E);
+      const int64_t total = N + E, width = (total + G - 1) / G;
+      cpu::parallel_tasks(G, [&](int64_t g) {
+        std::vector<acc_t> buf(4 * HC + 3 * H);
+        acc_t *gxr = buf.data(), *scratch = gxr + HC;
+        const int64_t r0 = first_row_of_cost(rp, N, E, g * width);
+        const int64_t r1 = first_row_of_cost(rp, N, E, std::min(total, (g + 1) * width));
+        for (int64_t i = r0; i < r1; ++i) {
+          const auto [b, e] = cpu::row_range(rp, i, E);
+          if (sp.is_long(b, e)) continue;  // split below
+          std::fill(gxr, gxr + HC, acc_t(0));
+          row_segment(i, b, e, gxr, part + g * HC, scratch);
+          for (int64_t q = 0; q < HC; ++q) gr_ptr[i * HC + q] = scalar_t(gxr[q]);
+        }
+      });
+      // Long rows: one partial {grad_x_r, grad_att} per chunk.
+      const int64_t P = 2 * HC;
+      std::vector<acc_t> rpart(sp.chunks() * P, acc_t(0));
+      cpu::parallel_chunks(sp, rp, E, [&](int64_t, int64_t i, int64_t b,
+                                           int64_t e, int64_t q) {
+        std::vector<acc_t> buf(3 * HC + 3 * H);
+        acc_t* p = rpart.data() + q * P;
+        row_segment(i, b, e, p, p + HC, buf.data());
+      });
+      cpu::parallel_long_rows(sp, [&](int64_t k, int64_t i) {
+        std::vector<acc_t> buf(P);
+        cpu::sum_chunks(sp, k, rpart.data(), P, buf.data());
+        for (int64_t q = 0; q < HC; ++q) gr_ptr[i * HC + q] = scalar_t(buf[q]);
       });
       scalar_t* ga = g_att.data_ptr<scalar_t>();
       for (int64_t q = 0; q < HC; ++q) {
         acc_t v = 0;
         for (int64_t g = 0; g < G; ++g) v += part[g * HC + q];
+        for (int64_t c = 0; c < sp.chunks(); ++c) v += rpart[c * P + HC + q];
         ga[q] = scalar_t(v);
       }
 
       // ---- pass 2: by source over the transpose
+      // CSC entries [b, end) of column j: adds their grad_x_l terms to gxl
+      // [HC]. buf: 2 * HC + H scratch.
+      auto col_segment = [&](int64_t j, int64_t b, int64_t end, acc_t* gxl,
+                             acc_t* buf) {
+        acc_t *xr_i = buf, *z = xr_i + HC, *s = z + HC;
+        for (int64_t k = b; k < end; ++k) {
+          const int64_t i = rw[k], e = pm[k];
+          cpu::prefetch_ahead(rw, k, E, go, N, HC);
+          cpu::prefetch_ahead(rw, k, E, xr, N, HC);
+          if (i < 0 || i >= N || e < 0 || e >= E) continue;
+          for (int64_t q = 0; q < HC; ++q) xr_i[q] = acc_t(xr[i * HC + q]);
+          score(xr_i, j, e, z, s);
+          const scalar_t* go_i = go + i * HC;
+          for (int64_t h = 0; h < H; ++h) {
+            const acc_t lse_ih = l[i * H + h];
+            if (!std::isfinite(lse_ih)) continue;
+            acc_t p = std::exp(s[h] - lse_ih);
+            if (mask) p *= acc_t(mask[e * H + h]);
+            col_head_grads(z + h * C, att.data() + h * C, go_i + h * C, p,
+                           gs_ptr[e * H + h], slope, C, gxl + h * C);
+          }
+        }
+      };
+      const cpu::SplitRows sc = cpu::split_rows(cp, Ns, E);
       cpu::parallel_rows(cp, Ns, E, 2 * HC, [&](int64_t j0, int64_t j1) {
         std::vector<acc_t> buf(3 * HC + H);
-        acc_t *gxl = buf.data(), *xr_i = gxl + HC, *z = xr_i + HC, *s = z + HC;
+        acc_t* gxl = buf.data();
         for (int64_t j = j0; j < j1; ++j) {
           const auto [b, end] = cpu::row_range(cp, j, E);
+          if (sc.is_long(b, end)) continue;  // split below
           std::fill(gxl, gxl + HC, acc_t(0));
-          for (int64_t k = b; k < end; ++k) {
-            const int64_t i = rw[k], e = pm[k];
-            cpu::prefetch_ahead(rw, k, E, go, N, HC);
-            cpu::prefetch_ahead(rw, k, E, xr, N, HC);
-            if (i < 0 || i >= N || e < 0 || e >= E) continue;
-            for (int64_t q = 0; q < HC; ++q) xr_i[q] = acc_t(xr[i * HC + q]);
-            score(xr_i, j, e, z, s);
-            const scalar_t* go_i = go + i * HC;
-            for (int64_t h = 0; h < H; ++h) {
-              const acc_t lse_ih = l[i * H + h];
-              if (!std::isfinite(lse_ih)) continue;
-              acc_t p = std::exp(s[h] - lse_ih);
-              if (mask) p *= acc_t(mask[e * H + h]);
-              const acc_t gs = gs_ptr[e * H + h];
-              for (int64_t c = 0; c < C; ++c) {
-                const int64_t q = h * C + c;
-                gxl[q] += p * acc_t(go_i[q]) +
-                          cpu::leaky_grad(z[q], slope, gs * att[q]);
-              }
-            }
-          }
+          col_segment(j, b, end, gxl, gxl + HC);
           for (int64_t q = 0; q < HC; ++q) gl_ptr[j * HC + q] = scalar_t(gxl[q]);
         }
+      });
+      std::vector<acc_t> cpart(sc.chunks() * HC, acc_t(0));
+      cpu::parallel_chunks(sc, cp, E, [&](int64_t, int64_t j, int64_t b,
+                                           int64_t end, int64_t q) {
+        std::vector<acc_t> buf(2 * HC + H);
+        col_segment(j, b, end, cpart.data() + q * HC, buf.data());
+      });
+      cpu::parallel_long_rows(sc, [&](int64_t k, int64_t j) {
+        std::vector<acc_t> buf(HC);
+        cpu::sum_chunks(sc, k, cpart.data(), HC, buf.data());
+        for (int64_t q = 0; q < HC; ++q) gl_ptr[j * HC + q] = scalar_t(buf[q]);
       });
     });
   });

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -128,6 +130,59 @@ void parallel_long_rows(const SplitRows& s, const F& f) {
   });
 }
 
+// Sums the partials of long row k's chunks (P values each, at part + q * P)
+// in chunk order into out [P].
+template <typename acc_t>
+void sum_chunks(const SplitRows& s, int64_t k, const acc_t* part, int64_t P,
+                acc_t* out) {
+  std::fill(out, out + P, acc_t(0));
+  for (int64_t q = s.first[k]; q < s.first[k + 1]; ++q)
+    for (int64_t x = 0; x < P; ++x) out[x] += part[q * P + x];
+}
+
+// Combines the softmax partials of long row k's chunks, each {acc [H * C],
+// m [H], den [H]} at part + q * (H * C + 2 * H) (m: max score, -inf if none;
+// den, acc: sums of exp(s - m) and exp(s - m) * value): m = the row's max,
+// den and acc rescaled to it and summed in chunk order. A chunk without a
+// finite max adds 0 (or its NaN).
+template <typename acc_t>
+void combine_softmax_chunks(const SplitRows& s, int64_t k, const acc_t* part,
+                            int64_t H, int64_t C, acc_t* acc, acc_t* m,
+                            acc_t* den) {
+  constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
+  const int64_t HC = H * C, P = HC + 2 * H;
+  std::fill(acc, acc + HC, acc_t(0));
+  std::fill(m, m + H, -inf);
+  std::fill(den, den + H, acc_t(0));
+  for (int64_t q = s.first[k]; q < s.first[k + 1]; ++q)
+    for (int64_t h = 0; h < H; ++h) m[h] = std::max(m[h], part[q * P + HC + h]);
+  for (int64_t q = s.first[k]; q < s.first[k + 1]; ++q) {
+    const acc_t* p = part + q * P;
+    for (int64_t h = 0; h < H; ++h) {
+      const acc_t mq = p[HC + h];
+      const acc_t f = mq == -inf ? acc_t(0) : std::exp(mq - m[h]);
+      den[h] += f * p[HC + H + h];
+      for (int64_t c = 0; c < C; ++c) acc[h * C + c] += f * p[h * C + c];
+    }
+  }
+}
+
+// Runs f(t) for t in [0, n) in parallel, threads taking t from a shared
+// counter (work of the t may differ a lot).
+template <typename F>
+void parallel_tasks(int64_t n, const F& f) {
+  if (n <= 0) return;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), n);
+  if (threads <= 1 || at::in_parallel_region()) {
+    for (int64_t t = 0; t < n; ++t) f(t);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) f(t);
+  });
+}
+
 // Dot product of two length-n vectors, accumulated in opmath with 8
 // independent partial sums so that the compiler can vectorize it.
 template <typename T>
@@ -178,7 +233,14 @@ inline T leaky(T z, T slope) {
 }
 template <typename T>
 inline T leaky_grad(T z, T slope, T g) {
+  // A quiet compare (z > 0 may trap on NaN) turned into 0 / 1: GCC (with
+  // trapping math) then vectorizes float loops calling this, where the
+  // ternary form became a branch.
+#if defined(__GNUC__)
+  const T pos = static_cast<T>(__builtin_isgreater(z, T(0)));
+#else
   const T pos = z > T(0) ? T(1) : T(0);
+#endif
   return g * (pos + (T(1) - pos) * slope);
 }
 
