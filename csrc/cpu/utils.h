@@ -61,7 +61,7 @@ void parallel_rows(const index_t* rowptr, int64_t N, int64_t E,
   const int64_t chunk = std::max(grain, (total + threads * 16 - 1) / (threads * 16));
   const int64_t chunks = (total + chunk - 1) / chunk;
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, std::min(threads, chunks), 1, [&](int64_t, int64_t) {
     for (int64_t c = next.fetch_add(1); c < chunks; c = next.fetch_add(1)) {
       const int64_t r0 = first_row(c * chunk);
       const int64_t r1 = first_row(std::min(total, (c + 1) * chunk));
