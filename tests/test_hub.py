@@ -198,6 +198,21 @@ def _bitwise(xs, ys, what):
         assert torch.equal(x, y), f'{what}: output {k} differs between runs'
 
 
+def _deterministic(run, device):
+    """run() twice bitwise equal, and on the CPU also with 1 and 2
+    threads."""
+    first = run()
+    _bitwise(first, run(), 'second run')
+    if device == 'cpu':
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                _bitwise(first, run(), f'{n} thread(s)')
+        finally:
+            torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
 def test_hub_deterministic(split, device, dtype):
@@ -226,16 +241,7 @@ def test_hub_deterministic(split, device, dtype):
         gs, = torch.autograd.grad(y, s, gy)
         return [out, *grads, y, gs]
 
-    first = run()
-    _bitwise(first, run(), 'second run')
-    if device == 'cpu':
-        threads = torch.get_num_threads()
-        try:
-            for n in (1, 2):
-                torch.set_num_threads(n)
-                _bitwise(first, run(), f'{n} thread(s)')
-        finally:
-            torch.set_num_threads(threads)
+    _deterministic(run, device)
 
 
 @pytest.mark.parametrize('device', DEVICES)
@@ -294,13 +300,4 @@ def test_hub_gatv2_deterministic(split, device, dtype):
                                        return_lse=True, bias=bias)
         return [out, lse, *torch.autograd.grad(out, leaves, go)]
 
-    first = run()
-    _bitwise(first, run(), 'second run')
-    if device == 'cpu':
-        threads = torch.get_num_threads()
-        try:
-            for n in (1, 2):
-                torch.set_num_threads(n)
-                _bitwise(first, run(), f'{n} thread(s)')
-        finally:
-            torch.set_num_threads(threads)
+    _deterministic(run, device)
