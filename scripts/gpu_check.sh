@@ -24,6 +24,9 @@
 #          preparation and the fresh-graph step; not in the default set)
 #   ddp    examples/train_ddp.py under torchrun (NCCL), 1 process and one
 #          per visible GPU when there are several (not in the default set)
+#   cpubench  benchmarks/bench_gat.py --device cpu on this machine's cores
+#          (CPU_BENCH_ONLY, default "Cora epoch"; CPU_BENCH_CONV, default
+#          gat; providers pyg,fast,floor; not in the default set)
 #
 # TEST_ARGS: pytest arguments in place of the whole suite for tests /
 # cudatests (files, -k, ...); TEST_ENV: an env assignment for a second
@@ -76,7 +79,7 @@ RESERVE=15 # for the final collection
 START=$SECONDS
 
 # ---------------------------------------------------------------- arguments
-want_info=1 want_build=0 want_tests=0 want_ops=0 want_gat=0 want_profile=0 want_ddp=0 want_prepare=0
+want_info=1 want_build=0 want_tests=0 want_ops=0 want_gat=0 want_profile=0 want_ddp=0 want_prepare=0 want_cpubench=0
 cuda_only=0 quick=""
 if [ $# -eq 0 ]; then
     want_build=1 want_tests=1 want_ops=1 want_gat=1
@@ -91,6 +94,7 @@ for a in "$@"; do
         profile) want_profile=1 ;;
         ddp) want_ddp=1 ;;
         prepare) want_prepare=1 ;;
+        cpubench) want_cpubench=1 ;;
         ops) want_ops=1 ;;
         gat) want_gat=1 ;;
         bench) want_ops=1 want_gat=1 ;;
@@ -100,18 +104,18 @@ for a in "$@"; do
             exit 0
             ;;
         *)
-            echo "unknown step '$a' (info build tests cudatests ops gat bench profile prepare ddp all quick)" >&2
+            echo "unknown step '$a' (info build tests cudatests ops gat bench profile prepare ddp cpubench all quick)" >&2
             exit 2
             ;;
     esac
 done
 
 # min seconds reserved for each later step (so early steps cannot starve them)
-MIN_TESTS_CUDA=45 MIN_TESTS=60 MIN_OPS=90 MIN_GAT=120 MIN_PROFILE=60 MIN_PREPARE=40 MIN_DDP=40
+MIN_TESTS_CUDA=45 MIN_TESTS=60 MIN_OPS=90 MIN_GAT=120 MIN_PROFILE=60 MIN_PREPARE=40 MIN_DDP=40 MIN_CPUBENCH=60
 
 reserved_after() { # sum of the minimum shares of the wanted steps after $1
     local s=0 seen=0 st
-    for st in info build tests_cuda tests ops gat profile prepare ddp; do
+    for st in info build tests_cuda tests ops gat profile prepare ddp cpubench; do
         if [ $seen -eq 1 ]; then
             case $st in
                 tests_cuda) [ $want_tests -eq 1 ] && s=$((s + MIN_TESTS_CUDA)) ;;
@@ -120,6 +124,7 @@ reserved_after() { # sum of the minimum shares of the wanted steps after $1
                 gat) [ $want_gat -eq 1 ] && s=$((s + MIN_GAT)) ;;
                 profile) [ $want_profile -eq 1 ] && s=$((s + MIN_PROFILE)) ;;
                 prepare) [ $want_prepare -eq 1 ] && s=$((s + MIN_PREPARE)) ;;
+                cpubench) [ $want_cpubench -eq 1 ] && s=$((s + MIN_CPUBENCH)) ;;
                 ddp) [ $want_ddp -eq 1 ] && s=$((s + MIN_DDP)) ;;
             esac
         fi
@@ -173,7 +178,7 @@ collect() {
                 echo
             }
         done
-        for f in "$BENCH/ops_$DEV.md" "$BENCH"/*_"$DEV".md; do
+        for f in "$BENCH/ops_$DEV.md" "$BENCH"/*_"$DEV".md "$BENCH"/cpu/*_cpu.md; do
             [ -f "$f" ] && {
                 cat "$f"
                 echo
@@ -191,7 +196,7 @@ collect() {
     } >"$OUT/summary.txt" 2>/dev/null
     tail_into "$OUT/build.log" 400 "$LOGS/build.log"
     tail_into "$OUT/tests.log" 400 "$LOGS/tests_cuda.log" "$LOGS/tests.log" "$LOGS"/tests_*.part
-    tail_into "$OUT/bench.log" 300 "$LOGS/ops.log" "$LOGS/gat.log" "$LOGS/prepare.log" "$LOGS/ddp.log"
+    tail_into "$OUT/bench.log" 300 "$LOGS/ops.log" "$LOGS/gat.log" "$LOGS/prepare.log" "$LOGS/ddp.log" "$LOGS/cpubench.log"
     tail_into "$OUT/profile.log" 600 "$LOGS/profile.log"
     for f in "$BENCH"/*_"$DEV".md "$BENCH/gat_$DEV.png"; do
         [ -f "$f" ] && cp "$f" "$OUT/"
@@ -359,6 +364,10 @@ for p in 1 $([ "$n" -gt 1 ] && echo "$n"); do
     python3 -m torch.distributed.run --standalone --nproc_per_node $p \
         examples/train_ddp.py --device cuda --epochs 100 || exit $?
 done'
+fi
+
+if [ $want_cpubench -eq 1 ]; then
+    run_step cpubench "${T_CPUBENCH:-150}" "python3 benchmarks/bench_gat.py --device cpu --conv ${CPU_BENCH_CONV:-gat} --only '${CPU_BENCH_ONLY:-Cora epoch}' --providers pyg,fast,floor --out '$BENCH/cpu' --budget-s \$(( STEP_LIMIT > 80 ? STEP_LIMIT - 40 : STEP_LIMIT / 2 ))"
 fi
 
 collect
