@@ -39,7 +39,7 @@ def local_loss(out, y, idx, num_train, world):
     return F.cross_entropy(out[idx], y[idx], reduction='sum') * (world / num_train)
 
 
-def main(argv=None):
+def main(argv=None, hard_exit=False):
     p = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
     p.add_argument('--layer', default='fast', choices=sorted(LAYERS))
     p.add_argument('--device', default='cpu', choices=['cpu', 'cuda'])
@@ -116,8 +116,16 @@ def main(argv=None):
                       f'test acc {acc:.4f}  {med:.2f} ms/epoch (median)',
                       flush=True)
     dist.destroy_process_group()
+    if hard_exit:
+        # Leave before `ddp` is freed: its reducer holds the gloo process
+        # group, whose destructor joins gloo's worker threads with the GIL
+        # held, while a worker still releasing a finished allreduce waits
+        # for the GIL (a hang at exit, seen on a loaded 2-core machine).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 
 if __name__ == '__main__':
-    sys.exit(main())
+    sys.exit(main(hard_exit=True))

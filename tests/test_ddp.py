@@ -20,7 +20,7 @@ def test_ddp_gradients_equal_single_process(tmp_path, layer):
            '--synthetic', '--dropout', '0', '--layer', layer,
            '--save-grads', str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
-                          timeout=600, cwd=str(REPO))
+                          timeout=300, cwd=str(REPO))
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ddp_grads = torch.load(out)
 
