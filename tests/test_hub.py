@@ -198,6 +198,20 @@ def _bitwise(xs, ys, what):
         assert torch.equal(x, y), f'{what}: output {k} differs between runs'
 
 
+def _deterministic_inputs(split, device, dtype):
+    """The hub graph (int64) and a seeded rn(*shape) of dtype (bfloat16
+    for float16 on the CPU)."""
+    if dtype == torch.float16 and device == 'cpu':
+        dtype = torch.bfloat16
+    rowptr, col, Ns = hub_graph(split, torch.int64, device)
+    g = torch.Generator(device=device).manual_seed(3)
+
+    def rn(*shape):
+        return torch.randn(*shape, device=device, generator=g,
+                           dtype=torch.float32).to(dtype)
+    return rowptr, col, Ns, rn
+
+
 def _deterministic(run, device):
     """run() twice bitwise equal, and on the CPU also with 1 and 2
     threads."""
@@ -220,15 +234,10 @@ def test_hub_deterministic(split, device, dtype):
     (forward and backward) on a hub graph are bitwise equal; on the CPU also
     with 1 and with 2 threads (the split into chunks does not depend on the
     thread count)."""
-    if dtype == torch.float16 and device == 'cpu':
-        dtype = torch.bfloat16
-    rowptr, col, Ns = hub_graph(split, torch.int64, device)
+    rowptr, col, Ns, rn = _deterministic_inputs(split, device, dtype)
     N, E, H, C = rowptr.numel() - 1, col.numel(), 4, 16
-    g = torch.Generator(device=device).manual_seed(3)
-    rn = lambda *shape: torch.randn(*shape, device=device, generator=g,
-                                    dtype=torch.float32).to(dtype)
     a_src, a_dst, a_edge, v = rn(Ns, H), rn(N, H), rn(E, H), rn(Ns, H, C)
-    mask = (rn(E, H) > 0).to(dtype) * 2
+    mask = (rn(E, H) > 0).to(rn(1).dtype) * 2
     scores, gy = rn(E, H), rn(E, H)
     go = rn(N, H, C)
 
@@ -282,16 +291,11 @@ def test_hub_gatv2_deterministic(split, device, dtype):
     hub graph are bitwise equal; on the CPU also with 1 and with 2 threads.
     (The bias is an input but not differentiated: its gradient is a plain
     torch sum, not a kernel of this package.)"""
-    if dtype == torch.float16 and device == 'cpu':
-        dtype = torch.bfloat16
-    rowptr, col, Ns = hub_graph(split, torch.int64, device)
+    rowptr, col, Ns, rn = _deterministic_inputs(split, device, dtype)
     N, E, H, C = rowptr.numel() - 1, col.numel(), 4, 16
-    g = torch.Generator(device=device).manual_seed(3)
-    rn = lambda *shape: torch.randn(*shape, device=device, generator=g,
-                                    dtype=torch.float32).to(dtype)
     x_l, x_r, att, e_t = rn(Ns, H, C), rn(N, H, C), rn(H, C), rn(E, H, C)
     bias, go = rn(H * C), rn(N, H, C)
-    mask = (rn(E, H) > 0).to(dtype) * 2
+    mask = (rn(E, H) > 0).to(rn(1).dtype) * 2
     csc = ops.csr_to_csc(rowptr, col, Ns)
 
     def run():
