@@ -188,10 +188,14 @@ constexpr int kGatv2LaneSlots = 4;
 // 2 * E / chunk rows of H * C accumulators whenever E exceeds the split.
 constexpr int64_t kGatv2SplitEdges = 2048;
 constexpr int64_t kGatv2SplitChunk = 2048;
-// CUDA: edges whose gathers a gatv2 warp issues before using them (lanes of
-// one head slot; half as many with 4 slots; 1 when a lane's slots hold 32
-// elements or more, or rows are unaligned).
+// CUDA: edges whose gathers a gatv2 backward warp issues before using them
+// (lanes of one head slot; half as many with 4 slots; 1 when a lane's slots
+// hold 32 elements or more, or rows are unaligned). The transformer's
+// backward (two rows gathered per edge) and both forwards take one edge at
+// a time (kGatv2FwdEdgeBatch): there the batch's registers cost more
+// occupancy than its gathers in flight gained.
 constexpr int kGatv2EdgeBatch = 4;
+constexpr int kGatv2FwdEdgeBatch = 1;
 
 void check_gatv2_attention(const at::Tensor& rowptr, const at::Tensor& col,
                            const at::Tensor& x_l, const at::Tensor& x_r,
@@ -206,6 +210,33 @@ void check_gatv2_attention_backward(
     const c10::optional<at::Tensor>& edge_term, const at::Tensor& att,
     const c10::optional<at::Tensor>& mask,
     const c10::optional<at::Tensor>& bias, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& grad_out);
+
+}  // namespace pyg_fastattn
+
+// ---------------------------------------------------------------------------
+// transformer_attention (csrc/ops/transformer_attention.cpp,
+// csrc/cpu/transformer_cpu.cpp, csrc/cuda).
+namespace pyg_fastattn {
+
+// rowptr [N+1]; col [E]; query [N, H, C]; key, value [Ns, H, C];
+// edge_term [E, H, C]; mask [E, H]. Float tensors share key's dtype and
+// device.
+void check_transformer_attention(const at::Tensor& rowptr,
+                                 const at::Tensor& col,
+                                 const at::Tensor& query,
+                                 const at::Tensor& key,
+                                 const at::Tensor& value,
+                                 const c10::optional<at::Tensor>& edge_term,
+                                 const c10::optional<at::Tensor>& mask);
+// The forward's checks, the transpose (colptr [Ns + 1], csc_row [E],
+// csc_perm [E]), out and grad_out [N, H, C], lse [N, H] in opmath.
+void check_transformer_attention_backward(
+    const at::Tensor& rowptr, const at::Tensor& col, const at::Tensor& colptr,
+    const at::Tensor& csc_row, const at::Tensor& csc_perm,
+    const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const c10::optional<at::Tensor>& edge_term,
+    const c10::optional<at::Tensor>& mask, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& grad_out);
 
 }  // namespace pyg_fastattn

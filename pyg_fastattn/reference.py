@@ -340,3 +340,82 @@ def gatv2_attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
         grad_edge = x_l.new_empty((0, ))
     return (grad_x_l.to(dt), grad_x_r.to(dt), grad_edge,
             grad_att.to(dt).view(att.shape))
+
+
+def _transformer_terms(rowptr, col, query, key, value, edge_term, t):
+    """(row, safe col, query[row] [E, H, C] (0 outside every row), k', v')
+    in dtype t."""
+    N = rowptr.numel() - 1
+    row = rows_of(rowptr, col.numel())
+    j = _safe(col, row < N)
+    q = _pad_row(query)[row].to(t)
+    k, v = key[j].to(t), value[j].to(t)
+    if edge_term is not None:
+        k = k + edge_term.to(t)
+        v = v + edge_term.to(t)
+    return row, j, q, k, v
+
+
+def transformer_attention(rowptr: Tensor, col: Tensor, query: Tensor,
+                          key: Tensor, value: Tensor,
+                          edge_term: Optional[Tensor], mask: Optional[Tensor],
+                          scale: float, colptr: Optional[Tensor] = None,
+                          csc_row: Optional[Tensor] = None,
+                          csc_perm: Optional[Tensor] = None
+                          ) -> Tuple[Tensor, Tensor]:
+    N = rowptr.numel() - 1
+    _, H, C = key.shape
+    t = _opmath(key.dtype)
+    row, _, q, k, v = _transformer_terms(rowptr, col, query, key, value,
+                                         edge_term, t)
+    s = scale * (q * k).sum(-1)
+    alpha, lse = _row_softmax(rowptr, row, s)
+    p = alpha * mask.to(t) if mask is not None else alpha
+    msg = p.unsqueeze(-1) * v
+    out = msg.new_zeros((N + 1, H, C)).index_add(0, row, msg)[:N]
+    return out.to(key.dtype), lse
+
+
+def transformer_attention_backward(rowptr: Tensor, col: Tensor,
+                                   colptr: Tensor, csc_row: Tensor,
+                                   csc_perm: Tensor, query: Tensor,
+                                   key: Tensor, value: Tensor,
+                                   edge_term: Optional[Tensor],
+                                   mask: Optional[Tensor], scale: float,
+                                   out: Tensor, lse: Tensor, grad_out: Tensor,
+                                   need_edge: bool
+                                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    N = rowptr.numel() - 1
+    Ns, H, C = key.shape
+    t = _opmath(key.dtype)
+    row, j, q, k, v = _transformer_terms(rowptr, col, query, key, value,
+                                         edge_term, t)
+    s = scale * (q * k).sum(-1)
+    lse_p = _pad_row(lse.to(t))[row]
+    finite = torch.isfinite(lse_p) & (row < N).view(-1, 1)
+    alpha = torch.where(finite, torch.exp(s - torch.where(finite, lse_p, 0.)),
+                        torch.zeros_like(s))
+    p = alpha * mask.to(t) if mask is not None else alpha
+    go = _pad_row(grad_out.to(t))[row]  # [E, H, C]
+    g = (go * v).sum(-1)
+    if mask is not None:
+        g = g * mask.to(t)
+    delta = _pad_row((grad_out.to(t) * out.to(t)).sum(-1))[row]
+    grad_s = torch.where(finite, alpha * (g - delta), torch.zeros_like(s))
+    gs = (scale * grad_s).unsqueeze(-1)
+    msg_q = gs * k
+    grad_q = msg_q.new_zeros((N + 1, H, C)).index_add(0, row, msg_q)[:N]
+    # Source side: every valid edge adds to its source (the kernels walk the
+    # transpose for this).
+    valid = (row < N).view(-1, 1, 1)
+    zero = torch.zeros_like(k)
+    msg_k = torch.where(valid, gs * q, zero)
+    msg_v = torch.where(valid, p.unsqueeze(-1) * go, zero)
+    grad_k = zero.new_zeros((Ns, H, C)).index_add(0, j, msg_k)
+    grad_v = zero.new_zeros((Ns, H, C)).index_add(0, j, msg_v)
+    dt = key.dtype
+    if need_edge and edge_term is not None:
+        grad_edge = (msg_k + msg_v).to(dt)
+    else:
+        grad_edge = key.new_empty((0, ))
+    return grad_q.to(dt), grad_k.to(dt), grad_v.to(dt), grad_edge

@@ -45,6 +45,10 @@ def _op_cases(device, idx):
     out2, lse2 = ops.gatv2_attention(rowptr, col, nd(v), nd(x_r), nd(att[0]),
                                      nd(e_t), t['mask'], return_lse=True,
                                      bias=nd(bias))
+    q, val = torch.randn(N, H, C, **d), torch.randn(t['Ns'], H, C, **d)
+    out3, lse3 = ops.transformer_attention(rowptr, col, nd(q), nd(v),
+                                           nd(val), nd(e_t), t['mask'], 0.5,
+                                           return_lse=True)
     return [
         ('edge_softmax', (rowptr, s)),
         ('edge_softmax_backward', (rowptr, nd(s).softmax(0), torch.randn_like(nd(s)))),
@@ -78,6 +82,16 @@ def _op_cases(device, idx):
                                       nd(x_r), None, nd(att[0][0]), None,
                                       0.2, None, out2, lse2,
                                       torch.randn_like(out2), False)),
+        ('transformer_attention', (rowptr, col, q, v, val, e_t, t['mask'],
+                                   0.5, *tuple(csc)[:3])),
+        ('transformer_attention', (rowptr, col, q, v, val, None, None, 1.0,
+                                   None, None, None)),
+        ('transformer_attention_backward', (
+            rowptr, col, *tuple(csc)[:3], nd(q), nd(v), nd(val), nd(e_t),
+            t['mask'], 0.5, out3, lse3, torch.randn_like(out3), True)),
+        ('transformer_attention_backward', (
+            rowptr, col, *tuple(csc)[:3], nd(q), nd(v), nd(val), None, None,
+            0.5, out3, lse3, torch.randn_like(out3), False)),
     ]
 
 

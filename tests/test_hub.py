@@ -17,6 +17,7 @@ from conftest import DEVICES
 from graphs import csr_from_degrees
 from test_gatv2 import _bias, _check as _check_gatv2
 from test_ops import TOL, _check, _leaf
+from test_transformer_attention import _check as _check_transformer
 
 SPLIT_ENV = 'PYG_FASTATTN_SPLIT_EDGES'
 DEFAULT_SPLIT = 4096  # kSplitEdges in csrc/common.h
@@ -302,6 +303,57 @@ def test_hub_gatv2_deterministic(split, device, dtype):
         leaves = [u.clone().requires_grad_() for u in (x_l, x_r, att, e_t)]
         out, lse = ops.gatv2_attention(rowptr, col, *leaves, mask, csc=csc,
                                        return_lse=True, bias=bias)
+        return [out, lse, *torch.autograd.grad(out, leaves, go)]
+
+    _deterministic(run, device)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('dtype', DTYPES)
+@pytest.mark.parametrize('terms', ['plain', 'edge,mask'])
+@pytest.mark.parametrize('heads,C', [(1, 8), (4, 7), (8, 16), (2, 40)])
+def test_hub_transformer(split, device, idx, dtype, terms, heads, C):
+    """transformer_attention: out, lse and every gradient against the
+    float64 reference. The forward and the backward's row pass see the hub
+    row, the backward's CSC pass (grad_key, grad_value) the hub column."""
+    rowptr, col, Ns = hub_graph(split, idx, device)
+    N, E = rowptr.numel() - 1, col.numel()
+    d = dict(dtype=dtype, device=device)
+    q = torch.randn(N, heads, C, **d)
+    k, v = torch.randn(Ns, heads, C, **d), torch.randn(Ns, heads, C, **d)
+    e_t = torch.randn(E, heads, C, **d) if 'edge' in terms else None
+    mask = ((torch.rand(E, heads, device=device) > 0.3).to(dtype) / 0.7
+            if 'mask' in terms else None)
+    scale = C ** -0.5
+    tol = TOL[dtype]
+    _check_transformer(rowptr, col, q, k, v, e_t, mask, tol=tol, scale=scale)
+    _, lse = ops.transformer_attention(rowptr, col, q, k, v, e_t, mask, scale,
+                                       return_lse=True)
+    dbl = lambda u: u.double() if u is not None else None  # noqa: E731
+    _, lse_ref = R.transformer_attention(rowptr, col, q.double(), k.double(),
+                                         v.double(), dbl(e_t), dbl(mask),
+                                         scale)
+    torch.testing.assert_close(lse.double(), lse_ref, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float16])
+def test_hub_transformer_deterministic(split, device, dtype):
+    """Two runs of transformer_attention's forward (out, lse) and backward
+    on a hub graph are bitwise equal; on the CPU also with 1 and with 2
+    threads."""
+    rowptr, col, Ns, rn = _deterministic_inputs(split, device, dtype)
+    N, E, H, C = rowptr.numel() - 1, col.numel(), 4, 16
+    q, k, v, e_t = rn(N, H, C), rn(Ns, H, C), rn(Ns, H, C), rn(E, H, C)
+    go = rn(N, H, C)
+    mask = (rn(E, H) > 0).to(rn(1).dtype) * 2
+    csc = ops.csr_to_csc(rowptr, col, Ns)
+
+    def run():
+        leaves = [u.clone().requires_grad_() for u in (q, k, v, e_t)]
+        out, lse = ops.transformer_attention(rowptr, col, *leaves, mask, 0.25,
+                                             csc=csc, return_lse=True)
         return [out, lse, *torch.autograd.grad(out, leaves, go)]
 
     _deterministic(run, device)

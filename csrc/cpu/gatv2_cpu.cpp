@@ -5,7 +5,7 @@
 #include <limits>
 #include <vector>
 
-#include "utils.h"
+#include "row_attention.h"
 
 namespace pyg_fastattn {
 namespace {
@@ -26,21 +26,36 @@ Inputs contiguous_inputs(const at::Tensor& rowptr, const at::Tensor& col,
           att.contiguous(), cpu::contiguous_or_undefined(mask)};
 }
 
-// Per-edge score of GATv2 for one edge e = (j -> i), all heads:
-// z = x_l[j] + x_r[i] (+ edge_term[e]) into z[HC] and
-// s[h] = sum_c att[h, c] * leaky(z[h, c]).
+// GATv2's score policy (row_attention.h) for edge e = (j -> i), all heads:
+// row(i) loads x_r[i] into buf [HC]; score() forms z = x_l[j] + x_r[i]
+// (+ edge_term[e]) into buf + HC and s[h] = sum_c att[h, c] * leaky(z[h, c]),
+// the value row being x_l[j].
 template <typename scalar_t>
 struct Score {
   using acc_t = at::opmath_type<scalar_t>;
   const scalar_t* x_l;        // [Ns, H, C]
+  const scalar_t* x_r;        // [N, H, C]
   const scalar_t* edge_term;  // [E, H, C] or nullptr
   const acc_t* att;           // [H, C] in acc_t
-  int64_t H, C;
+  int64_t Ns, H, C;
   acc_t slope;
 
-  void operator()(const acc_t* xr_i, int64_t j, int64_t e, acc_t* z,
-                  acc_t* s) const {
+  int64_t scratch() const { return 2 * H * C; }  // x_r[i], z
+
+  template <typename index_t>
+  PFA_FORCE_INLINE void prefetch(const index_t* cl, int64_t k, int64_t E) const {
+    cpu::prefetch_ahead(cl, k, E, x_l, Ns, H * C);
+  }
+
+  void row(int64_t i, acc_t* buf) const {
     const int64_t HC = H * C;
+    for (int64_t q = 0; q < HC; ++q) buf[q] = acc_t(x_r[i * HC + q]);
+  }
+
+  const scalar_t* score(int64_t j, int64_t e, acc_t* buf, acc_t* s) const {
+    const int64_t HC = H * C;
+    const acc_t* xr_i = buf;
+    acc_t* z = buf + HC;
     const scalar_t* xl = x_l + j * HC;
     if (edge_term) {
       const scalar_t* et = edge_term + e * HC;
@@ -56,6 +71,7 @@ struct Score {
       for (int64_t c = 0; c < C; ++c) v += ah[c] * cpu::leaky(zh[c], slope);
       s[h] = v;
     }
+    return xl;
   }
 };
 
@@ -64,12 +80,7 @@ std::vector<at::opmath_type<scalar_t>> to_acc(const scalar_t* p, int64_t n) {
   return std::vector<at::opmath_type<scalar_t>>(p, p + n);
 }
 
-// Rows split over threads by edge count (parallel_rows). One pass per row
-// with an online softmax per head: running max m, sum den of exp(s - m) and
-// acc of exp(s - m) * mask * x_l[j], rescaled when m grows; divided at the
-// end (plus the bias). The score is computed once per edge and never stored.
-// Rows over the split threshold (split_rows) are cut into fixed chunks, one
-// online-softmax partial {acc, m, den} each, combined per row in chunk order.
+// The forward of row_attention.h (attend_rows) with GATv2's score.
 std::tuple<at::Tensor, at::Tensor> gatv2_attention_cpu(
     const at::Tensor& rowptr_, const at::Tensor& col_, const at::Tensor& x_l_,
     const at::Tensor& x_r_, const OptTensor& edge_term_,
@@ -90,97 +101,16 @@ std::tuple<at::Tensor, at::Tensor> gatv2_attention_cpu(
   PFA_DISPATCH_INDEX(in.rowptr.scalar_type(), "gatv2_attention_cpu", [&] {
     PFA_DISPATCH_FLOATS(in.x_l.scalar_type(), "gatv2_attention_cpu", [&] {
       using acc_t = at::opmath_type<scalar_t>;
-      constexpr acc_t inf = std::numeric_limits<acc_t>::infinity();
       const std::vector<acc_t> att = to_acc(in.att.const_data_ptr<scalar_t>(), HC);
       const Score<scalar_t> score{in.x_l.const_data_ptr<scalar_t>(),
+                                  in.x_r.const_data_ptr<scalar_t>(),
                                   cpu::data_or_null<scalar_t>(in.edge_term),
-                                  att.data(), H, C, acc_t(negative_slope)};
-      const index_t* rp = in.rowptr.const_data_ptr<index_t>();
-      const index_t* cl = in.col.const_data_ptr<index_t>();
-      const scalar_t* xl = in.x_l.const_data_ptr<scalar_t>();
-      const scalar_t* xr = in.x_r.const_data_ptr<scalar_t>();
-      const scalar_t* mask = cpu::data_or_null<scalar_t>(in.mask);
-      const scalar_t* bs = cpu::data_or_null<scalar_t>(bias);
-      scalar_t* o = out.data_ptr<scalar_t>();
-      acc_t* l = lse.data_ptr<acc_t>();
-      // Online softmax over the edges [b, e) of row i into acc [HC], m [H],
-      // den [H] (acc and den relative to m; m = -inf and both 0 if no edge
-      // has a weight). buf: 2 * HC + H scratch.
-      auto segment = [&](int64_t i, int64_t b, int64_t e, acc_t* acc, acc_t* m,
-                         acc_t* den, acc_t* buf) {
-        acc_t *xr_i = buf, *z = xr_i + HC, *s = z + HC;
-        for (int64_t q = 0; q < HC; ++q) xr_i[q] = acc_t(xr[i * HC + q]);
-        std::fill(m, m + H, -inf);
-        std::fill(den, den + H, acc_t(0));
-        std::fill(acc, acc + HC, acc_t(0));
-        for (int64_t k = b; k < e; ++k) {
-          const int64_t j = cl[k];
-          cpu::prefetch_ahead(cl, k, E, xl, Ns, HC);
-          if (j < 0 || j >= Ns) continue;
-          score(xr_i, j, k, z, s);
-          const scalar_t* xj = xl + j * HC;
-          for (int64_t h = 0; h < H; ++h) {
-            const acc_t x = s[h];
-            acc_t scale = 1, p;
-            if (x > m[h]) {  // new maximum: rescale what was summed
-              scale = std::exp(m[h] - x);
-              m[h] = x;
-              p = 1;
-            } else if (x == -inf) {
-              continue;
-            } else {
-              p = std::exp(x - m[h]);  // NaN propagates to den and acc
-            }
-            den[h] = den[h] * scale + p;
-            const acc_t w = mask ? p * acc_t(mask[k * H + h]) : p;
-            acc_t* a = acc + h * C;
-            const scalar_t* v = xj + h * C;
-            if (scale != acc_t(1))
-              for (int64_t c = 0; c < C; ++c) a[c] = a[c] * scale + w * acc_t(v[c]);
-            else
-              for (int64_t c = 0; c < C; ++c) a[c] += w * acc_t(v[c]);
-          }
-        }
-      };
-      // out = acc / den (+ bias), lse = log(den) + m.
-      auto finish = [&](int64_t i, const acc_t* acc, const acc_t* m, acc_t* den) {
-        for (int64_t h = 0; h < H; ++h) {
-          // A +inf score gives NaN, as exp(inf - inf) in the reference.
-          if (m[h] == inf) den[h] = std::numeric_limits<acc_t>::quiet_NaN();
-          l[i * H + h] = std::log(den[h]) + (m[h] == -inf ? acc_t(0) : m[h]);
-          const acc_t d = den[h] == 0 ? acc_t(1) : den[h];  // empty: acc is 0
-          for (int64_t c = 0; c < C; ++c) {
-            const int64_t q = h * C + c;
-            const acc_t r = acc[q] / d;
-            o[i * HC + q] = scalar_t(bs ? r + acc_t(bs[q]) : r);
-          }
-        }
-      };
-      const cpu::SplitRows sp = cpu::split_rows(rp, N, E);
-      const int64_t P = HC + 2 * H;  // one partial: {acc, m, den}
-      cpu::parallel_rows(rp, N, E, 2 * HC, [&](int64_t r0, int64_t r1) {
-        std::vector<acc_t> buf(P + 2 * HC + H);
-        acc_t *acc = buf.data(), *m = acc + HC, *den = m + H;
-        for (int64_t i = r0; i < r1; ++i) {
-          const auto [b, e] = cpu::row_range(rp, i, E);
-          if (sp.is_long(b, e)) continue;  // split below
-          segment(i, b, e, acc, m, den, acc + P);
-          finish(i, acc, m, den);
-        }
-      });
-      std::vector<acc_t> part(sp.chunks() * P);
-      cpu::parallel_chunks(sp, rp, E, [&](int64_t, int64_t i, int64_t b,
-                                           int64_t e, int64_t q) {
-        std::vector<acc_t> buf(2 * HC + H);
-        acc_t* p = part.data() + q * P;
-        segment(i, b, e, p, p + HC, p + HC + H, buf.data());
-      });
-      cpu::parallel_long_rows(sp, [&](int64_t k, int64_t i) {
-        std::vector<acc_t> buf(P);
-        acc_t *acc = buf.data(), *m = acc + HC, *den = m + H;
-        cpu::combine_softmax_chunks(sp, k, part.data(), H, C, acc, m, den);
-        finish(i, acc, m, den);
-      });
+                                  att.data(), Ns, H, C, acc_t(negative_slope)};
+      const cpu::RowGraph<scalar_t, index_t> g{
+          in.rowptr.const_data_ptr<index_t>(), in.col.const_data_ptr<index_t>(),
+          N, E, Ns, H, C, cpu::data_or_null<scalar_t>(in.mask),
+          cpu::data_or_null<scalar_t>(bias)};
+      cpu::attend_rows(score, g, out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>());
     });
   });
   return {out, lse};
@@ -280,18 +210,19 @@ gatv2_attention_backward_cpu(
       const std::vector<acc_t> att = to_acc(in.att.const_data_ptr<scalar_t>(), HC);
       const acc_t slope = acc_t(negative_slope);
       const Score<scalar_t> score{in.x_l.const_data_ptr<scalar_t>(),
+                                  in.x_r.const_data_ptr<scalar_t>(),
                                   cpu::data_or_null<scalar_t>(in.edge_term),
-                                  att.data(), H, C, slope};
+                                  att.data(), Ns, H, C, slope};
       const index_t* rp = in.rowptr.const_data_ptr<index_t>();
-      const index_t* cl = in.col.const_data_ptr<index_t>();
+      const cpu::RowGraph<scalar_t, index_t> gr{
+          rp, in.col.const_data_ptr<index_t>(), N, E, Ns, H, C,
+          cpu::data_or_null<scalar_t>(in.mask), cpu::data_or_null<scalar_t>(bias)};
       const index_t* cp = colptr.const_data_ptr<index_t>();
       const index_t* rw = csc_row.const_data_ptr<index_t>();
       const index_t* pm = csc_perm.const_data_ptr<index_t>();
-      const scalar_t* xl = in.x_l.const_data_ptr<scalar_t>();
       const scalar_t* xr = in.x_r.const_data_ptr<scalar_t>();
-      const scalar_t* mask = cpu::data_or_null<scalar_t>(in.mask);
+      const scalar_t* mask = gr.mask;
       const scalar_t* o = out.const_data_ptr<scalar_t>();
-      const scalar_t* bs = cpu::data_or_null<scalar_t>(bias);
       const scalar_t* go = grad_out.const_data_ptr<scalar_t>();
       const acc_t* l = lse.const_data_ptr<acc_t>();
       acc_t* gs_ptr = grad_s.data_ptr<acc_t>();
@@ -302,61 +233,33 @@ gatv2_attention_backward_cpu(
 
       // ---- pass 1: by destination row
       // Edges [b, e) of row i: writes grad_s and grad_edge_term, adds grad_z
-      // to gxr [HC] and grad_s * leaky(z) to gatt [HC]. buf: 3 * HC + 3 * H
-      // scratch.
+      // to gxr [HC] and grad_s * leaky(z) to gatt [HC]. buf: S scratch.
+      const int64_t S = cpu::backward_row_scratch(score, H) + HC;  // + grad_z
       auto row_segment = [&](int64_t i, int64_t b, int64_t e, acc_t* gxr,
                              acc_t* gatt, acc_t* buf) {
-        acc_t *xr_i = buf, *z = xr_i + HC, *zl = z + HC, *s = zl + HC,
-              *delta = s + H, *gsv = delta + H;
-        const scalar_t* go_i = go + i * HC;
-        for (int64_t q = 0; q < HC; ++q) xr_i[q] = acc_t(xr[i * HC + q]);
-        for (int64_t h = 0; h < H; ++h) {  // <grad_out, out - bias>
-          const scalar_t* o_ih = o + i * HC + h * C;
-          if (bs) {
-            acc_t d = 0;
-            for (int64_t c = 0; c < C; ++c)
-              d += acc_t(go_i[h * C + c]) *
-                   (acc_t(o_ih[c]) - acc_t(bs[h * C + c]));
-            delta[h] = d;
-          } else {
-            delta[h] = cpu::dot(go_i + h * C, o_ih, C);
-          }
-        }
-        for (int64_t k = b; k < e; ++k) {
-          const int64_t j = cl[k];
-          cpu::prefetch_ahead(cl, k, E, xl, Ns, HC);
-          scalar_t* ge_k = ge_ptr ? ge_ptr + k * HC : nullptr;
-          if (j < 0 || j >= Ns) {
-            std::fill(gs_ptr + k * H, gs_ptr + (k + 1) * H, acc_t(0));
-            if (ge_k) std::fill(ge_k, ge_k + HC, scalar_t(0));
-            continue;
-          }
-          score(xr_i, j, k, z, s);
-          const scalar_t* xj = xl + j * HC;
-          for (int64_t h = 0; h < H; ++h) {
-            const acc_t lse_ih = l[i * H + h];
-            acc_t gs = 0;
-            if (std::isfinite(lse_ih)) {  // else the row has no weight
-              const acc_t alpha = std::exp(s[h] - lse_ih);
-              acc_t gv = cpu::dot(go_i + h * C, xj + h * C, C);
-              if (mask) gv *= acc_t(mask[k * H + h]);
-              gs = alpha * (gv - delta[h]);
-            }
-            gs_ptr[k * H + h] = gs;
-            gsv[h] = gs;
-          }
+        auto tail = [&](int64_t k, int64_t, const acc_t* sb, const acc_t* gsv,
+                        const acc_t*, acc_t* zl) {
+          const acc_t* z = sb + HC;
+          for (int64_t h = 0; h < H; ++h) gs_ptr[k * H + h] = gsv[h];
           for (int64_t h = 0; h < H; ++h)
             row_head_grads(z + h * C, att.data() + h * C, gsv[h], slope, C,
                            zl + h * C, gatt + h * C);
           add_into(gxr, zl, HC);
-          if (ge_k)
+          if (ge_ptr) {
+            scalar_t* ge_k = ge_ptr + k * HC;
             for (int64_t q = 0; q < HC; ++q) ge_k[q] = scalar_t(zl[q]);
-        }
+          }
+        };
+        auto skip = [&](int64_t k) {
+          std::fill(gs_ptr + k * H, gs_ptr + (k + 1) * H, acc_t(0));
+          if (ge_ptr) std::fill(ge_ptr + k * HC, ge_ptr + (k + 1) * HC, scalar_t(0));
+        };
+        cpu::backward_row_segment(score, gr, o, go, l, i, b, e, buf, tail, skip);
       };
       const cpu::SplitRows sp = cpu::split_rows(rp, N, E);
       const int64_t total = N + E, width = (total + G - 1) / G;
       cpu::parallel_tasks(G, [&](int64_t g) {
-        std::vector<acc_t> buf(4 * HC + 3 * H);
+        std::vector<acc_t> buf(HC + S);
         acc_t *gxr = buf.data(), *scratch = gxr + HC;
         const int64_t r0 = first_row_of_cost(rp, N, E, g * width);
         const int64_t r1 = first_row_of_cost(rp, N, E, std::min(total, (g + 1) * width));
@@ -373,7 +276,7 @@ gatv2_attention_backward_cpu(
       std::vector<acc_t> rpart(sp.chunks() * P, acc_t(0));
       cpu::parallel_chunks(sp, rp, E, [&](int64_t, int64_t i, int64_t b,
                                            int64_t e, int64_t q) {
-        std::vector<acc_t> buf(3 * HC + 3 * H);
+        std::vector<acc_t> buf(S);
         acc_t* p = rpart.data() + q * P;
         row_segment(i, b, e, p, p + HC, buf.data());
       });
@@ -392,17 +295,17 @@ gatv2_attention_backward_cpu(
 
       // ---- pass 2: by source over the transpose
       // CSC entries [b, end) of column j: adds their grad_x_l terms to gxl
-      // [HC]. buf: 2 * HC + H scratch.
+      // [HC]. buf: the policy's scratch + H.
       auto col_segment = [&](int64_t j, int64_t b, int64_t end, acc_t* gxl,
                              acc_t* buf) {
-        acc_t *xr_i = buf, *z = xr_i + HC, *s = z + HC;
+        acc_t *z = buf + HC, *s = buf + score.scratch();
         for (int64_t k = b; k < end; ++k) {
           const int64_t i = rw[k], e = pm[k];
           cpu::prefetch_ahead(rw, k, E, go, N, HC);
           cpu::prefetch_ahead(rw, k, E, xr, N, HC);
           if (i < 0 || i >= N || e < 0 || e >= E) continue;
-          for (int64_t q = 0; q < HC; ++q) xr_i[q] = acc_t(xr[i * HC + q]);
-          score(xr_i, j, e, z, s);
+          score.row(i, buf);
+          score.score(j, e, buf, s);
           const scalar_t* go_i = go + i * HC;
           for (int64_t h = 0; h < H; ++h) {
             const acc_t lse_ih = l[i * H + h];
@@ -414,29 +317,11 @@ gatv2_attention_backward_cpu(
           }
         }
       };
-      const cpu::SplitRows sc = cpu::split_rows(cp, Ns, E);
-      cpu::parallel_rows(cp, Ns, E, 2 * HC, [&](int64_t j0, int64_t j1) {
-        std::vector<acc_t> buf(3 * HC + H);
-        acc_t* gxl = buf.data();
-        for (int64_t j = j0; j < j1; ++j) {
-          const auto [b, end] = cpu::row_range(cp, j, E);
-          if (sc.is_long(b, end)) continue;  // split below
-          std::fill(gxl, gxl + HC, acc_t(0));
-          col_segment(j, b, end, gxl, gxl + HC);
-          for (int64_t q = 0; q < HC; ++q) gl_ptr[j * HC + q] = scalar_t(gxl[q]);
-        }
-      });
-      std::vector<acc_t> cpart(sc.chunks() * HC, acc_t(0));
-      cpu::parallel_chunks(sc, cp, E, [&](int64_t, int64_t j, int64_t b,
-                                           int64_t end, int64_t q) {
-        std::vector<acc_t> buf(2 * HC + H);
-        col_segment(j, b, end, cpart.data() + q * HC, buf.data());
-      });
-      cpu::parallel_long_rows(sc, [&](int64_t k, int64_t j) {
-        std::vector<acc_t> buf(HC);
-        cpu::sum_chunks(sc, k, cpart.data(), HC, buf.data());
-        for (int64_t q = 0; q < HC; ++q) gl_ptr[j * HC + q] = scalar_t(buf[q]);
-      });
+      cpu::reduce_rows<acc_t>(
+          cp, Ns, E, HC, score.scratch() + H, 2 * HC, col_segment,
+          [&](int64_t j, const acc_t* gxl) {
+            for (int64_t q = 0; q < HC; ++q) gl_ptr[j * HC + q] = scalar_t(gxl[q]);
+          });
     });
   });
   return {g_l, g_r, g_e, g_att};

@@ -183,10 +183,11 @@ void parallel_tasks(int64_t n, const F& f) {
   });
 }
 
-// Dot product of two length-n vectors, accumulated in opmath with 8
-// independent partial sums so that the compiler can vectorize it.
-template <typename T>
-inline at::opmath_type<T> dot(const T* a, const T* b, int64_t n) {
+// Dot product of two length-n vectors, accumulated in opmath of T with 8
+// independent partial sums so that the compiler can vectorize it (b may hold
+// another type, e.g. opmath values).
+template <typename T, typename U>
+inline at::opmath_type<T> dot(const T* a, const U* b, int64_t n) {
   using acc_t = at::opmath_type<T>;
   acc_t s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t c = 0;
@@ -204,14 +205,19 @@ inline at::opmath_type<T> dot(const T* a, const T* b, int64_t n) {
 // inline below (before it, GCC deleted every prefetch) the attention
 // forward went ~57 -> ~42 ms and its backward ~74 -> ~57 ms at 1M edges x
 // 4 heads x 16, 2 threads. No-op without GCC/Clang.
-template <typename index_t, typename T>
+//
+// Forced inline: otherwise GCC finds the function free of side effects (a
+// prefetch is none, to it), marks it const and deletes every call. A
+// function that wraps it needs PFA_FORCE_INLINE as well.
 #if defined(__GNUC__)
-// Forced inline: otherwise GCC finds the function free of side effects
-// (a prefetch is none, to it), marks it const and deletes every call.
-__attribute__((always_inline))
+#define PFA_FORCE_INLINE __attribute__((always_inline)) inline
+#else
+#define PFA_FORCE_INLINE inline
 #endif
-inline void prefetch_ahead(const index_t* idx, int64_t k, int64_t E,
-                           const T* base, int64_t rows, int64_t row_size) {
+template <typename index_t, typename T>
+PFA_FORCE_INLINE void prefetch_ahead(const index_t* idx, int64_t k, int64_t E,
+                                    const T* base, int64_t rows,
+                                    int64_t row_size) {
 #if defined(__GNUC__)
   constexpr int64_t kAhead = 8;
   if (k + kAhead >= E) return;

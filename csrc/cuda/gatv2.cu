@@ -1,147 +1,13 @@
 // gatv2_attention on CUDA: GATv2's per-edge score
 // att . leaky_relu(x_l[j] + x_r[i] + edge_term[e]) computed on the fly with
-// an online row softmax and the weighted aggregation. The backward is in
-// gatv2_backward.cu and gatv2_bwd_cols.cu.
-#include "gatv2.cuh"
+// an online row softmax and the weighted aggregation (gatv2_fwd.cuh). The
+// backward is in gatv2_backward.cu and gatv2_bwd_cols.cu.
+#include "gatv2_fwd.cuh"
 
 namespace pyg_fastattn {
 namespace cuda {
 namespace gatv2 {
 namespace {
-
-// Forward: grid (row_blocks + windows, head tiles). Row blocks: one warp per
-// destination row (rows over sp.split are left to the window blocks). The
-// warp reads the row's col indices 32 at a time (one coalesced load, handed
-// out by shuffle) and walks the edges in batches of edge_batch(): its lanes
-// first load x_l[j] (and edge_term[e]) of the batch's edges for their slots,
-// then per edge form z with x_r[i] (kept in registers, as
-// att), reduce att . leaky(z) per head over the G lanes of the head, update
-// the head's online softmax (max m, sum den) and rescale / accumulate
-// p * mask * x_l[j] into their slots. At the end each lane stores its slots
-// of out = acc / den + bias (empty rows: the bias) and lane cl = 0 of a head
-// the row's lse. Window blocks (split path, gatv2.cuh): each warp walks an
-// eighth of a window part of a long row the same way; the 8 states are
-// merged (block_merge_softmax) and warp 0 writes the part's (m, den) and
-// unnormalized sums, finished by split_softmax_combine_kernel.
-template <typename scalar_t, typename index_t, int V, int S, bool HEADS>
-__global__ void __launch_bounds__(kBlock)
-    gatv2_fwd_kernel(Gatv2Args<scalar_t, index_t> a, Gatv2Layout L,
-                     int64_t row_blocks) {
-  using A = acc_t<scalar_t>;
-  constexpr int NKH = Slots<S, HEADS>::NKH;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const bool part = blockIdx.x >= row_blocks;  // block-uniform
-  const int lane = lane_id();
-  const int rank = static_cast<int>(threadIdx.x >> 5);
-  const Slots<S, HEADS> sl = decode<S, HEADS>(L, blockIdx.y, lane);
-  const int64_t HC = static_cast<int64_t>(L.H) * L.C;
-  const int H = L.H;
-  const int64_t w = static_cast<int64_t>(blockIdx.x) - row_blocks;
-  A att[S][V];
-  load_row<scalar_t, S, V>(a.att, sl.off, att);
-  for (int q = 0; q < (part ? 2 : 1); ++q) {
-    int64_t i, start, end;
-    if (!part) {
-      i = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + rank;
-      if (i >= a.N) return;  // whole warps leave
-      row_range(a.rowptr, i, a.E, start, end);
-      if (end - start > a.sp.split) return;  // long row: window blocks
-    } else {
-      int64_t s, t;
-      if (!window_part(a.sp, a.rowptr, a.E, w, q, i, s, t)) continue;
-      warp_part(s, t, rank, start, end);
-    }
-    A xr[S][V], acc[S][V];
-    load_row<scalar_t, S, V>(a.x_r + i * HC, sl.off, xr);
-#pragma unroll
-    for (int t = 0; t < S; ++t)
-#pragma unroll
-      for (int k = 0; k < V; ++k) acc[t][k] = A(0);
-    A m[NKH], den[NKH];
-#pragma unroll
-    for (int kh = 0; kh < NKH; ++kh) {
-      m[kh] = neg_inf<A>();
-      den[kh] = A(0);
-    }
-    constexpr int B = edge_batch<S, V>();
-    const bool has_et = a.edge_term != nullptr;
-    for (int64_t e0 = start, jb = 0; e0 < end; e0 += B) {
-      const int kb = static_cast<int>((e0 - start) & (kWarp - 1));
-      if (kb == 0) jb = batch_load(a.col, e0, end, lane);
-      int64_t jv[B];
-      A xlb[B][S][V], etb[B][S][V];
-      gather_edges<B>(a, sl.off, HC, e0, kb, jb, has_et, jv, xlb, etb);
-#pragma unroll
-      for (int b = 0; b < B; ++b) {
-        if (jv[b] < 0) continue;  // warp-uniform
-        const int64_t e = e0 + b;
-        const A (&xl)[S][V] = xlb[b];
-        A z[S][V], s[NKH];
-        edge_z<A, S, V, HEADS>(xl, xr, etb[b], has_et, z);
-        head_scores<A, S, V, HEADS, NKH>(z, att, a.slope, L.g_log, s);
-        A scale[NKH], wt[NKH];
-#pragma unroll
-        for (int kh = 0; kh < NKH; ++kh) {
-          const A x = s[kh];
-          A p;
-          scale[kh] = A(1);
-          if (x > m[kh]) {  // new maximum: rescale what was summed
-            scale[kh] = pfa_exp(m[kh] - x);
-            m[kh] = x;
-            p = A(1);
-          } else if (x == neg_inf<A>()) {
-            p = A(0);
-          } else {
-            p = pfa_exp(x - m[kh]);  // NaN propagates
-          }
-          den[kh] = den[kh] * scale[kh] + p;
-          if (a.mask != nullptr && sl.h[kh] >= 0)
-            p *= to_acc(a.mask[e * H + sl.h[kh]]);
-          wt[kh] = p;
-        }
-#pragma unroll
-        for (int t = 0; t < S; ++t) {
-          const int kh = head_slot<S, HEADS>(t);
-#pragma unroll
-          for (int k = 0; k < V; ++k)
-            acc[t][k] = acc[t][k] * scale[kh] + wt[kh] * xl[t][k];
-        }
-      }
-    }
-    const bool lead = (lane & ((1 << L.g_log) - 1)) == 0;
-    if (part) {
-      block_merge_softmax<A, S, V, HEADS, NKH>(m, den, acc,
-                                               reinterpret_cast<A*>(smem), rank);
-      if (rank == 0) {
-        const int64_t slot = 2 * w + q;
-#pragma unroll
-        for (int kh = 0; kh < NKH; ++kh)
-          if (sl.h[kh] >= 0 && lead) {
-            a.part_ms[(slot * H + sl.h[kh]) * 2] = m[kh];
-            a.part_ms[(slot * H + sl.h[kh]) * 2 + 1] = den[kh];
-          }
-        store_part<A, S, V>(a.part_acc + slot * HC, sl.off, acc);
-      }
-      continue;
-    }
-#pragma unroll
-    for (int kh = 0; kh < NKH; ++kh) {
-      online_finish(m[kh], den[kh]);  // a +inf score makes the row NaN
-      if (sl.h[kh] >= 0 && lead)
-        a.lse_out[i * H + sl.h[kh]] = softmax_lse(m[kh], den[kh]);
-    }
-#pragma unroll
-    for (int t = 0; t < S; ++t) {
-      const int kh = head_slot<S, HEADS>(t);
-      const A d = den[kh] == A(0) ? A(1) : den[kh];  // empty row: acc is 0
-      A b[V];
-      load_slot<scalar_t, V>(a.bias, a.bias != nullptr ? sl.off[t] : -1, b);
-#pragma unroll
-      for (int k = 0; k < V; ++k) acc[t][k] = acc[t][k] / d + b[k];
-      store_slot<scalar_t, V>(a.out + i * HC, sl.off[t], acc[t]);
-    }
-  }
-}
 
 std::tuple<at::Tensor, at::Tensor> gatv2_attention_cuda(
     const at::Tensor& rowptr_in, const at::Tensor& col_in,
@@ -176,30 +42,7 @@ std::tuple<at::Tensor, at::Tensor> gatv2_attention_cuda(
       constexpr int VW = gatv2_vec<scalar_t>();
       const bool vec = C % VW == 0 && all_aligned({a.x_l, a.x_r, a.edge_term,
                                                    a.att, a.bias, a.out});
-      const Gatv2Plan P = make_plan(H, C, vec ? VW : 1);
-      at::Tensor win, part;
-      a.sp = make_split(a.rowptr, N, a.E, x_l.options(), win, gatv2_split_plan());
-      if (a.sp.nwin > 0) {
-        part = at::empty({2 * a.sp.nwin, H * C + 2 * H}, lse.options());
-        a.part_acc = part.data_ptr<A>();
-        a.part_ms = a.part_acc + 2 * a.sp.nwin * H * C;
-      }
-      const int64_t row_blocks = ceil_div(N, kWarpsPerBlock);
-      const dim3 grid(split_grid_x(row_blocks, a.sp),
-                      static_cast<unsigned>(P.L.n_tiles));
-      auto stream = at::cuda::getCurrentCUDAStream();
-      dispatch_plan<scalar_t>(vec, P, [&](auto v, auto s, auto heads) {
-        constexpr int kV = decltype(v)::value, kS = decltype(s)::value;
-        constexpr bool kH = decltype(heads)::value;
-        constexpr size_t smem = merge_smem<A, kS, kV, Slots<kS, kH>::NKH>();
-        gatv2_fwd_kernel<scalar_t, index_t, kV, kS, kH>
-            <<<grid, kBlock, a.sp.nwin > 0 ? smem : 0, stream>>>(a, P.L,
-                                                                 row_blocks);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      });
-      launch_split_softmax_combine<scalar_t, index_t>(
-          a.sp, a.rowptr, a.E, a.part_acc, a.part_ms, a.bias, H, C, a.out,
-          a.lse_out);
+      run_forward<false>(a, H, C, vec, x_l.options());
     });
   });
   return {out, lse};

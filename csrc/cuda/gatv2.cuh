@@ -1,5 +1,11 @@
-// Shared parts of the gatv2 CUDA kernels (gatv2.cu: forward;
-// gatv2_backward.cu: destination pass; gatv2_bwd_cols.cu: source pass).
+// Shared parts of the gatv2 and transformer CUDA kernels. The kernels
+// (gatv2_fwd.cuh: forward; gatv2_rows.cuh: backward destination pass;
+// gatv2_cols.cuh: backward source pass) take DOT = false for GATv2's score
+// att . leaky_relu(x_l[j] + x_r[i] + edge_term[e]) with values x_l[j], and
+// DOT = true for the transformer's scale * <query[i], key[j] + edge_term[e]>
+// with values value[j] + edge_term[e] (x_l: key, x_r: query). Ops:
+// gatv2.cu / gatv2_backward.cu / gatv2_bwd_cols.cu and transformer.cu /
+// transformer_backward.cu / transformer_bwd_cols.cu.
 #pragma once
 
 #include "utils.cuh"
@@ -116,14 +122,16 @@ struct Gatv2Args {
   using A = acc_t<scalar_t>;
   const index_t* rowptr;
   const index_t* col;
-  const scalar_t* x_l;        // [Ns, H, C]
-  const scalar_t* x_r;        // [N, H, C]
+  const scalar_t* x_l;        // [Ns, H, C] (DOT: key)
+  const scalar_t* x_r;        // [N, H, C] (DOT: query)
+  const scalar_t* value;      // DOT: [Ns, H, C]
   const scalar_t* edge_term;  // [E, H, C] or nullptr
-  const scalar_t* att;        // [H, C]
+  const scalar_t* att;        // [H, C] (not DOT)
   const scalar_t* mask;       // [E, H] or nullptr
   const scalar_t* bias;       // [H * C] or nullptr
   int64_t N, E, Ns;
-  A slope;
+  A slope;  // not DOT
+  A scale;  // DOT
   // forward
   scalar_t* out;   // [N, H, C]
   A* lse_out;      // [N, H]
@@ -135,15 +143,17 @@ struct Gatv2Args {
   const A* lse;           // [N, H]
   const scalar_t* grad_out;  // [N, H, C]
   A* delta;               // [N, H]: <grad_out[i], out[i] - bias> (pass 1)
-  A* att_partial;         // [partial rows of pass 1, H * C]
-  scalar_t* g_l;          // [Ns, H, C]
-  scalar_t* g_r;          // [N, H, C]
+  A* att_partial;         // [partial rows of pass 1, H * C] (not DOT)
+  scalar_t* g_l;          // [Ns, H, C] (DOT: grad key)
+  scalar_t* g_r;          // [N, H, C] (DOT: grad query)
+  scalar_t* g_v;          // DOT: [Ns, H, C] grad value
   scalar_t* g_e;          // [E, H, C] or nullptr
   // split path (utils.cuh): long rows (sp, CSR) and long columns (spc, CSC)
   SplitArgs sp, spc;
   A* part_acc;  // [2 * sp.nwin, H * C]: forward sums / backward grad_x_r
   A* part_ms;   // [2 * sp.nwin, H, 2]: forward (max, sum)
-  A* part_c;    // [2 * spc.nwin, H * C]: backward grad_x_l
+  A* part_c;    // [2 * spc.nwin, H * C]: backward grad_x_l (DOT: [.., 2HC],
+                //  grad key then grad value)
 };
 
 // Score partials of one edge for every head slot:
@@ -174,6 +184,44 @@ __device__ __forceinline__ void head_scores(const A (&z)[S][V],
   for (int kh = 0; kh < NKH; ++kh) s[kh] = head_sum(s[kh], g_log);
 }
 
+// DOT score partials of one edge: s[kh] = scale * <q, k (+ et)> over the
+// lane's slots of head kh, then over the head's lanes.
+template <typename A, int S, int V, bool HEADS, int NKH>
+__device__ __forceinline__ void dot_scores(const A (&k)[S][V],
+                                           const A (&q)[S][V],
+                                           const A (&et)[S][V], bool has_et,
+                                           A scale, int g_log, A (&s)[NKH]) {
+#pragma unroll
+  for (int kh = 0; kh < NKH; ++kh) s[kh] = A(0);
+#pragma unroll
+  for (int t = 0; t < S; ++t)
+#pragma unroll
+    for (int c = 0; c < V; ++c)
+      s[head_slot<S, HEADS>(t)] +=
+          q[t][c] * (has_et ? k[t][c] + et[t][c] : k[t][c]);
+#pragma unroll
+  for (int kh = 0; kh < NKH; ++kh) s[kh] = head_sum(s[kh], g_log) * scale;
+}
+
+// Per head slot: sum over the lane's slots of x * (y (+ et)), then over the
+// head's lanes.
+template <typename A, int S, int V, bool HEADS, int NKH>
+__device__ __forceinline__ void head_dots(const A (&x)[S][V],
+                                          const A (&y)[S][V],
+                                          const A (&et)[S][V], bool has_et,
+                                          int g_log, A (&s)[NKH]) {
+#pragma unroll
+  for (int kh = 0; kh < NKH; ++kh) s[kh] = A(0);
+#pragma unroll
+  for (int t = 0; t < S; ++t)
+#pragma unroll
+    for (int c = 0; c < V; ++c)
+      s[head_slot<S, HEADS>(t)] +=
+          x[t][c] * (has_et ? y[t][c] + et[t][c] : y[t][c]);
+#pragma unroll
+  for (int kh = 0; kh < NKH; ++kh) s[kh] = head_sum(s[kh], g_log);
+}
+
 // Edges per gather batch of a lane with S slots of V elements
 // (kGatv2EdgeBatch; fewer as S * V grows, so the batch stays in registers).
 template <int S, int V>
@@ -192,18 +240,21 @@ __device__ __forceinline__ void load_row(const T* __restrict__ row,
 
 // Issues the gathers of CSR positions e0 .. e0 + B - 1 before any is used:
 // source jv[b] (lane kb + b of the warp's index batch jb; -1 past the end
-// or out of range, warp-uniform), its x_l row and the edge_term row.
-template <int B, typename scalar_t, typename index_t, int S, int V>
+// or out of range, warp-uniform), its x_l row (DOT: and value row) and the
+// edge_term row.
+template <int B, bool DOT, typename scalar_t, typename index_t, int S, int V>
 __device__ __forceinline__ void gather_edges(
     const Gatv2Args<scalar_t, index_t>& a, const int64_t (&off)[S],
     int64_t HC, int64_t e0, int kb, int64_t jb, bool has_et, int64_t (&jv)[B],
-    acc_t<scalar_t> (&xlb)[B][S][V], acc_t<scalar_t> (&etb)[B][S][V]) {
+    acc_t<scalar_t> (&xlb)[B][S][V], acc_t<scalar_t> (&vb)[B][S][V],
+    acc_t<scalar_t> (&etb)[B][S][V]) {
 #pragma unroll
   for (int b = 0; b < B; ++b) {
     jv[b] = __shfl_sync(kFullMask, jb, kb + b);
     if (jv[b] >= a.Ns) jv[b] = -1;
     if (jv[b] < 0) continue;
     load_row<scalar_t, S, V>(a.x_l + jv[b] * HC, off, xlb[b]);
+    if (DOT) load_row<scalar_t, S, V>(a.value + jv[b] * HC, off, vb[b]);
     if (has_et) load_row<scalar_t, S, V>(a.edge_term + (e0 + b) * HC, off, etb[b]);
   }
 }
@@ -404,7 +455,7 @@ Gatv2Args<scalar_t, index_t> make_args(const at::Tensor& rowptr,
   a.x_l = x_l.data_ptr<scalar_t>();
   a.x_r = x_r.data_ptr<scalar_t>();
   a.edge_term = opt_ptr<scalar_t>(edge_term);
-  a.att = att.data_ptr<scalar_t>();
+  a.att = opt_ptr<scalar_t>(att);
   a.mask = opt_ptr<scalar_t>(mask);
   a.bias = opt_ptr<scalar_t>(bias);
   a.N = rowptr.numel() - 1;
@@ -414,15 +465,26 @@ Gatv2Args<scalar_t, index_t> make_args(const at::Tensor& rowptr,
   return a;
 }
 
+// PYG_FASTATTN_BWD_EDGE_BATCH=1: GATv2's backward kernels take one edge per
+// gather batch (A/B of kGatv2EdgeBatch; read once).
+inline bool bwd_batch_one() {
+  static const bool one = [] {
+    const char* env = std::getenv("PYG_FASTATTN_BWD_EDGE_BATCH");
+    return env != nullptr && std::atoi(env) == 1;
+  }();
+  return one;
+}
+
 inline bool all_aligned(std::initializer_list<const void*> ps) {
   for (const void* p : ps)
     if (p != nullptr && !aligned16(p)) return false;
   return true;
 }
 
-// Backward source pass (gatv2_bwd_cols.cu): grad_x_l into a.g_l, long
-// columns (a.spc) through a.part_c.
-template <typename scalar_t, typename index_t>
+// Backward source pass (gatv2_cols.cuh): grad_x_l into a.g_l (DOT: grad
+// key into a.g_l, grad value into a.g_v), long columns (a.spc) through
+// a.part_c.
+template <bool DOT, typename scalar_t, typename index_t>
 void launch_bwd_cols(const Gatv2Args<scalar_t, index_t>& a, const Gatv2Plan& P,
                      bool vec);
 

@@ -13,12 +13,13 @@ from .gat import gat_attention
 from .gatv2 import gatv2_attention
 from .sddmm import sddmm, sddmm_csr
 from .spmm import segment_sum, spmm
+from .transformer import transformer_attention
 from ._checks import check_csr
 
 _lib.install_backends()
 
 __all__ = [
     'edge_softmax', 'softmax_aggregate', 'spmm', 'sddmm', 'sddmm_csr',
-    'attention', 'gat_attention', 'gatv2_attention', 'csr_to_csc', 'CSC',
-    'check_csr', 'segment_sum'
+    'attention', 'gat_attention', 'gatv2_attention', 'transformer_attention',
+    'csr_to_csc', 'CSC', 'check_csr', 'segment_sum'
 ]

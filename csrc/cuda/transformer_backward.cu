@@ -1,0 +1,85 @@
+// transformer_attention_backward on CUDA: the gradients of
+// transformer_attention in a destination pass (gatv2_rows.cuh, DOT) and a
+// source pass over the transpose (transformer_bwd_cols.cu), without atomics.
+#include "gatv2_rows.cuh"
+
+namespace pyg_fastattn {
+namespace cuda {
+namespace gatv2 {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
+transformer_attention_backward_cuda(
+    const at::Tensor& rowptr_in, const at::Tensor& col_in,
+    const at::Tensor& colptr_in, const at::Tensor& csc_row_in,
+    const at::Tensor& csc_perm_in, const at::Tensor& query_in,
+    const at::Tensor& key_in, const at::Tensor& value_in,
+    const c10::optional<at::Tensor>& edge_term_in,
+    const c10::optional<at::Tensor>& mask_in, double scale,
+    const at::Tensor& out_in, const at::Tensor& lse_in,
+    const at::Tensor& grad_out_in, bool need_edge) {
+  check_transformer_attention_backward(
+      rowptr_in, col_in, colptr_in, csc_row_in, csc_perm_in, query_in, key_in,
+      value_in, edge_term_in, mask_in, out_in, lse_in, grad_out_in);
+  c10::cuda::CUDAGuard guard(key_in.device());
+  const at::Tensor rowptr = rowptr_in.contiguous(), col = col_in.contiguous(),
+                   colptr = colptr_in.contiguous(),
+                   csc_row = csc_row_in.contiguous(),
+                   csc_perm = csc_perm_in.contiguous(),
+                   query = query_in.contiguous(), key = key_in.contiguous(),
+                   value = value_in.contiguous(),
+                   edge_term = opt_contig(edge_term_in),
+                   mask = opt_contig(mask_in), fout = out_in.contiguous(),
+                   lse = lse_in.contiguous(), grad_out = grad_out_in.contiguous();
+  const int64_t N = rowptr.numel() - 1, E = col.numel(), Ns = key.size(0),
+                H = key.size(1), C = key.size(2), HC = H * C;
+  const bool want_edge = need_edge && edge_term.defined();
+  const auto opts = key.options();
+  at::Tensor g_q = at::empty({N, H, C}, opts);
+  at::Tensor g_k = at::empty({Ns, H, C}, opts);
+  at::Tensor g_v = at::empty({Ns, H, C}, opts);
+  at::Tensor g_e = want_edge ? at::empty({E, H, C}, opts) : at::empty({0}, opts);
+  if (HC == 0) return {g_q, g_k, g_v, g_e};
+  if (N == 0) {  // no edge lies in a row
+    g_e.zero_();
+    g_k.zero_();
+    g_v.zero_();
+    return {g_q, g_k, g_v, g_e};
+  }
+  PFA_DISPATCH_FLOATS(key.scalar_type(), "transformer_attention_backward_cuda", [&] {
+    PFA_DISPATCH_INDEX(rowptr.scalar_type(), "transformer_attention_backward_cuda", [&] {
+      using A = acc_t<scalar_t>;
+      auto a = make_args<scalar_t, index_t>(rowptr, col, key, query, edge_term,
+                                            at::Tensor(), mask, at::Tensor(),
+                                            0.0);
+      a.value = value.data_ptr<scalar_t>();
+      a.scale = static_cast<A>(scale);
+      a.colptr = colptr.data_ptr<index_t>();
+      a.csc_row = csc_row.data_ptr<index_t>();
+      a.csc_perm = csc_perm.data_ptr<index_t>();
+      a.fout = fout.data_ptr<scalar_t>();
+      a.lse = lse.data_ptr<A>();
+      a.grad_out = grad_out.data_ptr<scalar_t>();
+      a.g_l = g_k.data_ptr<scalar_t>();
+      a.g_r = g_q.data_ptr<scalar_t>();
+      a.g_v = g_v.data_ptr<scalar_t>();
+      a.g_e = want_edge ? g_e.data_ptr<scalar_t>() : nullptr;
+      constexpr int VW = gatv2_vec<scalar_t>();
+      const bool vec = C % VW == 0 &&
+                       all_aligned({a.x_l, a.x_r, a.value, a.edge_term, a.fout,
+                                    a.grad_out, a.g_l, a.g_r, a.g_v, a.g_e});
+      run_backward<true>(a, H, C, vec, opts, nullptr);
+    });
+  });
+  return {g_q, g_k, g_v, g_e};
+}
+
+}  // namespace
+}  // namespace gatv2
+}  // namespace cuda
+}  // namespace pyg_fastattn
+
+TORCH_LIBRARY_IMPL(pyg_fastattn, CUDA, m) {
+  m.impl("transformer_attention_backward",
+         &pyg_fastattn::cuda::gatv2::transformer_attention_backward_cuda);
+}
