@@ -8,24 +8,22 @@ from torch import Tensor
 from torch_geometric.nn.conv import TransformerConv
 
 from .. import ops
-from ..ops import CSC
-from .base import AdditiveScore, FusedAttentionConv
+from .base import FusedAttentionConv
 from .graph import PreparedGraph
 
 __all__ = ['FastTransformerConv']
 
 
 @dataclass
-class _TransformerScore(AdditiveScore):
-    """The dot-product score (``a_edge`` [E, H], CSR order) and, with edge
-    features, what they add to the output: ``sum_j alpha_ij * ev[e]``
-    ([E, H, K] in CSR order), mapped by ``proj`` ([H, C, K] or None for
-    K = C) onto the C channels of each head; ``edge_graph`` the graph whose
-    row i holds CSR position e of the rows of i (col = arange(E), and its
-    transpose), built once per forward for both passes over the edges."""
-    edge_values: Optional[Tensor] = None
-    proj: Optional[Tensor] = None
-    edge_graph: Optional[Tuple[Tensor, CSC]] = None
+class _TransformerScore:
+    """The inputs of the in-kernel score: ``query`` [N, H, C], ``key``
+    [Ns, H, C], ``edge_term`` (``lin_edge(edge_attr)``, [E', H, C] in CSR
+    order, added to the keys and the values) or None, ``scale`` (1 /
+    sqrt(C))."""
+    query: Tensor
+    key: Tensor
+    edge_term: Optional[Tensor]
+    scale: float
 
 
 class FastTransformerConv(FusedAttentionConv, TransformerConv):
@@ -34,19 +32,13 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
     subclasses it), forward and outputs, with the attention computed by the
     fused kernels:
 
-    * scores ``q_i . (k_j + e_ij) / sqrt(C)`` per edge by ``sddmm_csr``
-      (``q = lin_query(x_dst)``, ``k = lin_key(x_src)``, ``e =
-      lin_edge(edge_attr)``), one [E, H] tensor;
-    * softmax per destination, attention dropout (training only) and the sum
-      of ``alpha_ij * v_j`` (``v = lin_value(x_src)``) in one ``attention``
-      kernel, which never builds [E, H, C];
-    * with ``edge_dim``, the edge term of the values ``sum_j alpha_ij e_ij``
-      by a second ``attention`` pass over the edges. ``lin_edge`` has no
-      bias, so it is applied on whichever side is smaller: to the
-      aggregated features ([N, H, D] -> [N, H, C]) when ``D = edge_dim <
-      C``, with ``q`` mapped back through it for the score; else to the
-      edge features (one [E, H, C] tensor). Either way one [E, H, min(D, C)]
-      tensor is kept for backward;
+    * the score ``q_i . (k_j + e_ij) / sqrt(C)`` (``q = lin_query(x_dst)``,
+      ``k = lin_key(x_src)``, ``e = lin_edge(edge_attr)``), the softmax per
+      destination, attention dropout (training only) and the sum of
+      ``alpha_ij * (v_j + e_ij)`` (``v = lin_value(x_src)``) in one
+      ``transformer_attention`` kernel, which stores no per-edge tensor
+      (with ``edge_dim``, ``e`` is the one [E, H, C] tensor, as in
+      TransformerConv);
     * then, as TransformerConv: concat or mean over heads, ``lin_skip``
       root term, ``beta`` gate.
 
@@ -123,48 +115,34 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
 
     def compute_score(self, graph: PreparedGraph, key: Tensor, query: Tensor,
                       edge_attr: Optional[Tensor]) -> _TransformerScore:
-        """``q_i . (k_j + e_ij) / sqrt(C)`` [E, H] by SDDMM over the CSR;
-        ``key`` [Ns, H, C], ``query`` [N, H, C], ``edge_attr`` [E, D] (CSR
-        order) or None."""
-        H, C = self.heads, self.out_channels
-        q = query * (1.0 / math.sqrt(C))
-        row = _csr_rows(graph)
-        s = ops.sddmm_csr(graph.rowptr, graph.col, q, key, csc=graph.csc,
-                          row=row, validate=False)
-        ev = proj = None
+        """The score inputs; ``key`` [Ns, H, C], ``query`` [N, H, C],
+        ``edge_attr`` [E', D] (CSR order) or None."""
+        edge_term = None
         if edge_attr is not None:
             self.materialize(self.lin_edge, edge_attr)
-            E, D = edge_attr.size(0), edge_attr.size(1)
-            w = self.lin_edge.weight.view(H, C, D)
-            if D < C:  # q . (W ea) = (W^T q) . ea; values mapped after
-                qk = torch.einsum('nhc,hcd->nhd', q, w)
-                ev = edge_attr.unsqueeze(1).expand(E, H, D).contiguous()
-                proj = w
-            else:
-                qk = q
-                ev = self.lin_edge(edge_attr).view(E, H, C)
-            edge_graph = (_arange(graph), _edges_csc(graph, row))
-            s = s + ops.sddmm_csr(graph.rowptr, edge_graph[0], qk, ev,
-                                  csc=edge_graph[1], row=row, validate=False)
-            return _TransformerScore(a_edge=s, negative_slope=1.0,
-                                     edge_values=ev, proj=proj,
-                                     edge_graph=edge_graph)
-        return _TransformerScore(a_edge=s, negative_slope=1.0)
+            edge_term = self.lin_edge(edge_attr).view(-1, self.heads,
+                                                      self.out_channels)
+        return _TransformerScore(query, key, edge_term,
+                                 1.0 / math.sqrt(self.out_channels))
 
     def attend(self, graph: PreparedGraph, values: Tensor, score,
                mask: Optional[Tensor], return_lse: bool):
-        """The value aggregation, plus the edge term of the values."""
-        out, lse = super().attend(graph, values, score, mask, return_lse)
-        ev = score.edge_values
-        if ev is not None:
-            col_e, csc_e = score.edge_graph
-            agg = ops.attention(graph.rowptr, col_e, ev,
-                                a_edge=score.a_edge, mask=mask,
-                                negative_slope=1.0, csc=csc_e)
-            if score.proj is not None:  # [N, H, D] -> [N, H, C]
-                agg = torch.einsum('nhd,hcd->nhc', agg, score.proj)
-            out = out + agg
-        return out, lse
+        """Score, softmax, dropout and aggregation in
+        ``transformer_attention``."""
+        out, lse = ops.transformer_attention(
+            graph.rowptr, graph.col, score.query, score.key, values,
+            score.edge_term, mask, score.scale, csc=graph.csc,
+            return_lse=True, validate=False)
+        return out, (lse if return_lse else None)
+
+    def score_at(self, graph: PreparedGraph, score, pos: Tensor, src: Tensor,
+                 dst: Tensor) -> Tensor:
+        """Pre-softmax scores [K, H] of the CSR positions ``pos`` (builds
+        [K, H, C]: for ``return_attention_weights`` only)."""
+        k = score.key[src]
+        if score.edge_term is not None:
+            k = k + score.edge_term[pos]
+        return (score.query[dst] * k).sum(dim=-1) * score.scale
 
     def format_attention_weights(self, graph: PreparedGraph, src: Tensor,
                                  dst: Tensor, alpha: Tensor, edge_index):
@@ -175,22 +153,3 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         if isinstance(edge_index, PreparedGraph):
             return torch.stack([src, dst]).to(graph.index_dtype), alpha
         return edge_index.set_value(alpha, layout='coo')
-
-
-def _csr_rows(graph: PreparedGraph) -> Tensor:
-    """[E] the row (destination) of each CSR position."""
-    return graph.csc.row[graph.csc.inv]
-
-
-def _arange(graph: PreparedGraph) -> Tensor:
-    return torch.arange(graph.num_aug, device=graph.device,
-                        dtype=graph.col.dtype)
-
-
-def _edges_csc(graph: PreparedGraph, row: Tensor) -> CSC:
-    """The transpose of the graph whose column ``e`` is CSR position ``e``
-    (one entry each; the graph has no removed tail without self-loops)."""
-    idx = torch.arange(graph.num_aug + 1, device=graph.device,
-                       dtype=graph.rowptr.dtype)
-    e = idx[:-1]
-    return CSC(idx, row.to(idx.dtype), e, e)
