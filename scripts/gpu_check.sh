@@ -19,7 +19,8 @@
 #   gat    benchmarks/bench_gat.py --device $DEV --cuda-graph
 #   profile  benchmarks/profile_gat.py --device $DEV (not in the default set;
 #          PROFILE_CONV / PROFILE_ONLY / PROFILE_PROVIDERS: its --conv /
-#          --only / --providers)
+#          --only / --providers; PROFILE_ENV: an env assignment for a
+#          second run, e.g. an A/B knob)
 #   prepare  benchmarks/bench_prepare.py --device $DEV --sizes 1M:20M (graph
 #          preparation and the fresh-graph step; not in the default set)
 #   ddp    examples/train_ddp.py under torchrun (NCCL), 1 process and one
@@ -349,7 +350,15 @@ exit \$rc"
 fi
 
 if [ $want_profile -eq 1 ]; then
-    run_step profile "${T_PROFILE:-120}" "python3 benchmarks/profile_gat.py --device $DEV ${PROFILE_CONV:+--conv '$PROFILE_CONV'} ${PROFILE_ONLY:+--only '$PROFILE_ONLY'} ${PROFILE_PROVIDERS:+--providers '$PROFILE_PROVIDERS'}"
+    # PROFILE_ENV: an env assignment for a second run (A/B in one call)
+    # (PROFILE_CONV may name several layer families, one run each)
+    prof="python3 benchmarks/profile_gat.py --device $DEV --conv \$c ${PROFILE_ONLY:+--only '$PROFILE_ONLY'} ${PROFILE_PROVIDERS:+--providers '$PROFILE_PROVIDERS'}"
+    run_step profile "${T_PROFILE:-120}" "rc=0
+for c in ${PROFILE_CONV:-gat}; do
+    $prof || rc=1
+    ${PROFILE_ENV:+echo '== again with $PROFILE_ENV'; env $PROFILE_ENV $prof || rc=1}
+done
+exit \$rc"
 fi
 
 if [ $want_prepare -eq 1 ]; then
