@@ -34,10 +34,11 @@ _lib.define(
 #   grad_key[j] = scale * sum_{e = (j -> i)} grad_s[e] * query[i]
 #   grad_value[j] = sum_{e = (j -> i)} p[e] * grad_out[i]
 #   grad_edge_term[e] = scale * grad_s[e] * query[i] + p[e] * grad_out[i]
-# Pass 1 by destination row (grad_query, grad_edge_term; scale * grad_s and
-# p kept in [E, H]), pass 2 over the transpose (colptr [Ns + 1], csc_row,
-# csc_perm) for grad_key and grad_value: every output has one writer, no
-# atomics. Returns (grad_query [N, H, C], grad_key [Ns, H, C], grad_value
+# Pass 1 by destination row (grad_query, grad_edge_term; the CPU kernel
+# keeps scale * grad_s and p in [E, H] for pass 2, the CUDA kernel
+# recomputes them there), pass 2 over the transpose (colptr [Ns + 1],
+# csc_row, csc_perm) for grad_key and grad_value: every output has one
+# writer, no atomics. Returns (grad_query [N, H, C], grad_key [Ns, H, C], grad_value
 # [Ns, H, C], grad_edge_term [E, H, C] in CSR order (0 outside every row;
 # empty [0] unless need_edge and edge_term is given)).
 _lib.define(
