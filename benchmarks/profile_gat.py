@@ -80,7 +80,29 @@ def prepare_fn(dev, N, E, is_sorted):
                            transpose=not is_sorted)
 
 
-def profile(label, fn, dev, rows):
+def step_fn(conv, dev, N=60_000, E=600_000):
+    """One training step of bench_prepare.py's 2-layer GAT on a new graph
+    (a fresh copy of one of 4 random graphs) every call."""
+    from bench_prepare import GAT as StepGAT
+    torch.manual_seed(0)
+    x = torch.randn(N, 128, device=dev)
+    y = torch.randint(0, 40, (N, ), device=dev)
+    pool = [torch.randint(N, (2, E), device=dev, generator=generator(dev, s))
+            for s in range(4)]
+    m = StepGAT(conv).to(dev).train()
+    opt = torch.optim.Adam(m.parameters(), lr=0.005)
+    it = [0]
+
+    def fn():
+        it[0] += 1
+        ei = pool[it[0] % 4].clone()
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(m(x, ei), y).backward()
+        opt.step()
+    return fn
+
+
+def profile(label, fn, dev, rows, host=False):
     t = time_fn(fn, dev, warmup=3, min_reps=5, max_reps=50, budget_s=2)
     c = OpCount()
     with c:
@@ -92,7 +114,8 @@ def profile(label, fn, dev, rows):
         for _ in range(3):
             fn()
         sync(dev)
-    key = 'self_cuda_time_total' if dev.type == 'cuda' else 'self_cpu_time_total'
+    key = ('self_cuda_time_total' if dev.type == 'cuda' and not host
+           else 'self_cpu_time_total')
     print(f'\n=== {label}: median {t["median_ms"]:.3f} ms, wall '
           f'{t["wall_ms"]:.3f} ms/call, {c.n} aten ops/call (3 calls below)')
     print(p.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=60))
@@ -129,6 +152,9 @@ def main():
         work.append(('layer 1000000/20000000 power s=1.0 128->4x32 fwd+bwd',
                      lambda c, a: layer_fn(c, 1_000_000, 20_000_000, 128, 4,
                                            32, dev, ('power', 1.0), amp=a)))
+    # host-bound: its table is sorted by self CPU (host) time
+    work.append(('step 60000/600000 fresh graph',
+                 lambda c, a: step_fn(c, dev)))
     if dev.type == 'cuda':
         work += [(f'prepare 1000000/20000000 {tag}',
                   lambda c, a, s=s: prepare_fn(dev, 1_000_000, 20_000_000, s))
@@ -142,10 +168,13 @@ def main():
             if prov == 'fast_bf16' and not label.startswith('layer'):
                 continue
             conv = convs[prov] if label.startswith('layer') else {
-                'pyg': GATConv}.get(prov, FastGATConv)
+                'pyg': GATConv, 'floor': B.FloorConv}.get(prov, FastGATConv)
+            if prov == 'floor' and label.startswith(('layer', 'prepare')):
+                continue
             st, _, msg = guarded(lambda: profile(
                 f'{label} [{prov}, {args.conv if label.startswith("layer") else "gat"}]',
-                make(conv, prov == 'fast_bf16'), dev, args.rows), dev)
+                make(conv, prov == 'fast_bf16'), dev, args.rows,
+                host=label.startswith('step')), dev)
             if st != 'ok':
                 print(f'\n=== {label} [{prov}]: {st} {msg}')
             free_memory(dev)
