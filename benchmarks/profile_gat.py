@@ -167,10 +167,10 @@ def main():
                 continue
             if prov == 'fast_bf16' and not label.startswith('layer'):
                 continue
-            conv = convs[prov] if label.startswith('layer') else {
-                'pyg': GATConv, 'floor': B.FloorConv}.get(prov, FastGATConv)
             if prov == 'floor' and label.startswith(('layer', 'prepare')):
                 continue
+            conv = convs[prov] if label.startswith('layer') else {
+                'pyg': GATConv, 'floor': B.FloorConv}.get(prov, FastGATConv)
             st, _, msg = guarded(lambda: profile(
                 f'{label} [{prov}, {args.conv if label.startswith("layer") else "gat"}]',
                 make(conv, prov == 'fast_bf16'), dev, args.rows,
