@@ -188,14 +188,11 @@ constexpr int kGatv2LaneSlots = 4;
 // 2 * E / chunk rows of H * C accumulators whenever E exceeds the split.
 constexpr int64_t kGatv2SplitEdges = 2048;
 constexpr int64_t kGatv2SplitChunk = 2048;
-// CUDA: edges whose gathers a gatv2 backward warp issues before using them
-// (lanes of one head slot; half as many with 4 slots; 1 when a lane's slots
-// hold 32 elements or more, or rows are unaligned). The transformer's
-// backward (two rows gathered per edge) and both forwards take one edge at
-// a time (kGatv2FwdEdgeBatch): there the batch's registers cost more
-// occupancy than its gathers in flight gained.
-constexpr int kGatv2EdgeBatch = 4;
-constexpr int kGatv2FwdEdgeBatch = 1;
+// CUDA: edges whose gathers a warp of the gatv2 / transformer kernels
+// (forward and both backward passes) issues before using them. One: a
+// larger batch's registers cost more occupancy than its gathers in flight
+// gain (benchmarks/RESULTS.md).
+constexpr int kGatv2EdgeBatch = 1;
 
 void check_gatv2_attention(const at::Tensor& rowptr, const at::Tensor& col,
                            const at::Tensor& x_l, const at::Tensor& x_r,

@@ -184,25 +184,6 @@ __device__ __forceinline__ void head_scores(const A (&z)[S][V],
   for (int kh = 0; kh < NKH; ++kh) s[kh] = head_sum(s[kh], g_log);
 }
 
-// DOT score partials of one edge: s[kh] = scale * <q, k (+ et)> over the
-// lane's slots of head kh, then over the head's lanes.
-template <typename A, int S, int V, bool HEADS, int NKH>
-__device__ __forceinline__ void dot_scores(const A (&k)[S][V],
-                                           const A (&q)[S][V],
-                                           const A (&et)[S][V], bool has_et,
-                                           A scale, int g_log, A (&s)[NKH]) {
-#pragma unroll
-  for (int kh = 0; kh < NKH; ++kh) s[kh] = A(0);
-#pragma unroll
-  for (int t = 0; t < S; ++t)
-#pragma unroll
-    for (int c = 0; c < V; ++c)
-      s[head_slot<S, HEADS>(t)] +=
-          q[t][c] * (has_et ? k[t][c] + et[t][c] : k[t][c]);
-#pragma unroll
-  for (int kh = 0; kh < NKH; ++kh) s[kh] = head_sum(s[kh], g_log) * scale;
-}
-
 // Per head slot: sum over the lane's slots of x * (y (+ et)), then over the
 // head's lanes.
 template <typename A, int S, int V, bool HEADS, int NKH>
@@ -222,12 +203,15 @@ __device__ __forceinline__ void head_dots(const A (&x)[S][V],
   for (int kh = 0; kh < NKH; ++kh) s[kh] = head_sum(s[kh], g_log);
 }
 
-// Edges per gather batch of a lane with S slots of V elements
-// (kGatv2EdgeBatch; fewer as S * V grows, so the batch stays in registers).
-template <int S, int V>
-constexpr int edge_batch() {
-  return V == 1 || S * V >= 32 ? 1
-                               : (S == 1 ? kGatv2EdgeBatch : kGatv2EdgeBatch / 2);
+// DOT score of one edge per head slot: scale * <q, k (+ et)>.
+template <typename A, int S, int V, bool HEADS, int NKH>
+__device__ __forceinline__ void dot_scores(const A (&k)[S][V],
+                                           const A (&q)[S][V],
+                                           const A (&et)[S][V], bool has_et,
+                                           A scale, int g_log, A (&s)[NKH]) {
+  head_dots<A, S, V, HEADS, NKH>(q, k, et, has_et, g_log, s);
+#pragma unroll
+  for (int kh = 0; kh < NKH; ++kh) s[kh] *= scale;
 }
 
 template <typename T, int S, int V>
@@ -465,14 +449,33 @@ Gatv2Args<scalar_t, index_t> make_args(const at::Tensor& rowptr,
   return a;
 }
 
-// PYG_FASTATTN_BWD_EDGE_BATCH=1: GATv2's backward kernels take one edge per
-// gather batch (A/B of kGatv2EdgeBatch; read once).
-inline bool bwd_batch_one() {
-  static const bool one = [] {
-    const char* env = std::getenv("PYG_FASTATTN_BWD_EDGE_BATCH");
-    return env != nullptr && std::atoi(env) == 1;
-  }();
-  return one;
+// make_args of the transformer (DOT): x_l = key, x_r = query, values and
+// the score's scale.
+template <typename scalar_t, typename index_t>
+Gatv2Args<scalar_t, index_t> make_dot_args(
+    const at::Tensor& rowptr, const at::Tensor& col, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& edge_term, const at::Tensor& mask, double scale) {
+  auto a = make_args<scalar_t, index_t>(rowptr, col, key, query, edge_term,
+                                        at::Tensor(), mask, at::Tensor(), 0.0);
+  a.value = value.data_ptr<scalar_t>();
+  a.scale = static_cast<acc_t<scalar_t>>(scale);
+  return a;
+}
+
+// The backward's inputs besides make_args': the transpose, the forward's
+// out and lse, and grad_out.
+template <typename scalar_t, typename index_t>
+void set_backward_inputs(Gatv2Args<scalar_t, index_t>& a,
+                         const at::Tensor& colptr, const at::Tensor& csc_row,
+                         const at::Tensor& csc_perm, const at::Tensor& fout,
+                         const at::Tensor& lse, const at::Tensor& grad_out) {
+  a.colptr = colptr.data_ptr<index_t>();
+  a.csc_row = csc_row.data_ptr<index_t>();
+  a.csc_perm = csc_perm.data_ptr<index_t>();
+  a.fout = fout.data_ptr<scalar_t>();
+  a.lse = lse.data_ptr<acc_t<scalar_t>>();
+  a.grad_out = grad_out.data_ptr<scalar_t>();
 }
 
 inline bool all_aligned(std::initializer_list<const void*> ps) {

@@ -49,15 +49,9 @@ gatv2_attention_backward_cuda(
   if (N == 0) return {g_l, g_r, g_e, g_att};
   PFA_DISPATCH_FLOATS(x_l.scalar_type(), "gatv2_attention_backward_cuda", [&] {
     PFA_DISPATCH_INDEX(rowptr.scalar_type(), "gatv2_attention_backward_cuda", [&] {
-      using A = acc_t<scalar_t>;
       auto a = make_args<scalar_t, index_t>(rowptr, col, x_l, x_r, edge_term,
                                             att, mask, bias, negative_slope);
-      a.colptr = colptr.data_ptr<index_t>();
-      a.csc_row = csc_row.data_ptr<index_t>();
-      a.csc_perm = csc_perm.data_ptr<index_t>();
-      a.fout = fout.data_ptr<scalar_t>();
-      a.lse = lse.data_ptr<A>();
-      a.grad_out = grad_out.data_ptr<scalar_t>();
+      set_backward_inputs(a, colptr, csc_row, csc_perm, fout, lse, grad_out);
       a.g_l = g_l.data_ptr<scalar_t>();
       a.g_r = g_r.data_ptr<scalar_t>();
       a.g_e = want_edge ? g_e.data_ptr<scalar_t>() : nullptr;

@@ -26,7 +26,7 @@ namespace {
 // grad_out[i] (and edge_term[e]); grad_s (scaled) as in the destination
 // pass; grad_key[j] += grad_s * query[i] and grad_value[j] += p *
 // grad_out[i] (partials: grad key, then grad value, 2 * H * C a slot).
-template <bool DOT, int EB, typename scalar_t, typename index_t, int V, int S,
+template <bool DOT, typename scalar_t, typename index_t, int V, int S,
           bool HEADS>
 __global__ void __launch_bounds__(kBlock)
     gatv2_bwd_cols_kernel(Gatv2Args<scalar_t, index_t> a, Gatv2Layout L,
@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kBlock)
     for (int t = 0; t < S; ++t)
 #pragma unroll
       for (int k = 0; k < V; ++k) gxl[t][k] = gvl[t][k] = A(0);
-    constexpr int B = EB > 0 ? EB : edge_batch<S, V>();
+    constexpr int B = kGatv2EdgeBatch;
     const bool has_et = a.edge_term != nullptr;
     for (int64_t q0 = start, ib = 0, eb = 0; q0 < end; q0 += B) {
       const int kq = static_cast<int>((q0 - start) & (kWarp - 1));
@@ -183,21 +183,9 @@ void launch_bwd_cols(const Gatv2Args<scalar_t, index_t>& a, const Gatv2Plan& P,
     constexpr int kV = decltype(v)::value, kS = decltype(s)::value;
     constexpr bool kH = decltype(heads)::value;
     constexpr size_t smem = merge_smem<A, kS, kV, Slots<kS, kH>::NKH>();
-    // DOT: one edge a gather batch; GATv2: edge_batch() (or one with
-    // PYG_FASTATTN_BWD_EDGE_BATCH=1)
-    if constexpr (DOT) {
-      gatv2_bwd_cols_kernel<DOT, 1, scalar_t, index_t, kV, kS, kH>
-          <<<dim3(split_grid_x(row_blocks, a.spc), P.L.n_tiles), kBlock,
-             a.spc.nwin > 0 ? smem : 0, stream>>>(a, P.L, row_blocks);
-    } else if (bwd_batch_one()) {
-      gatv2_bwd_cols_kernel<DOT, 1, scalar_t, index_t, kV, kS, kH>
-          <<<dim3(split_grid_x(row_blocks, a.spc), P.L.n_tiles), kBlock,
-             a.spc.nwin > 0 ? smem : 0, stream>>>(a, P.L, row_blocks);
-    } else {
-      gatv2_bwd_cols_kernel<DOT, 0, scalar_t, index_t, kV, kS, kH>
-          <<<dim3(split_grid_x(row_blocks, a.spc), P.L.n_tiles), kBlock,
-             a.spc.nwin > 0 ? smem : 0, stream>>>(a, P.L, row_blocks);
-    }
+    gatv2_bwd_cols_kernel<DOT, scalar_t, index_t, kV, kS, kH>
+        <<<dim3(split_grid_x(row_blocks, a.spc), P.L.n_tiles), kBlock,
+           a.spc.nwin > 0 ? smem : 0, stream>>>(a, P.L, row_blocks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }

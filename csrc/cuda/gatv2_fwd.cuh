@@ -12,7 +12,7 @@ namespace {
 // Forward: grid (row_blocks + windows, head tiles). Row blocks: one warp per
 // destination row (rows over sp.split are left to the window blocks). The
 // warp reads the row's col indices 32 at a time (one coalesced load, handed
-// out by shuffle) and walks the edges in batches of kGatv2FwdEdgeBatch: its
+// out by shuffle) and walks the edges in batches of kGatv2EdgeBatch: its
 // lanes first load x_l[j] (DOT: key[j] and value[j]; and edge_term[e]) of
 // the batch's edges for their slots, then per edge form the score with
 // x_r[i] (kept in registers, as att): att . leaky(z) (DOT: scale *
@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kBlock)
       m[kh] = neg_inf<A>();
       den[kh] = A(0);
     }
-    constexpr int B = kGatv2FwdEdgeBatch;
+    constexpr int B = kGatv2EdgeBatch;
     const bool has_et = a.edge_term != nullptr;
     for (int64_t e0 = start, jb = 0; e0 < end; e0 += B) {
       const int kb = static_cast<int>((e0 - start) & (kWarp - 1));

@@ -30,7 +30,7 @@ namespace {
 // sums (block_sum_slots; finished by split_sum_kernel) and, at the end, the
 // block's grad_att partial row. Positions outside every row of
 // grad_edge_term are zeroed by a grid-stride loop of the row blocks.
-template <bool DOT, int EB, typename scalar_t, typename index_t, int V, int S,
+template <bool DOT, typename scalar_t, typename index_t, int V, int S,
           bool HEADS>
 __global__ void __launch_bounds__(kBlock)
     gatv2_bwd_rows_kernel(Gatv2Args<scalar_t, index_t> a, Gatv2Layout L,
@@ -106,7 +106,7 @@ __global__ void __launch_bounds__(kBlock)
     for (int t = 0; t < S; ++t)
 #pragma unroll
       for (int k = 0; k < V; ++k) gxr[t][k] = A(0);
-    constexpr int B = EB > 0 ? EB : edge_batch<S, V>();
+    constexpr int B = kGatv2EdgeBatch;
     const bool has_et = a.edge_term != nullptr;
     for (int64_t e0 = start, jb = 0; e0 < end; e0 += B) {
       const int kb = static_cast<int>((e0 - start) & (kWarp - 1));
@@ -275,21 +275,9 @@ void run_backward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
     constexpr int kV = decltype(v)::value, kS = decltype(s)::value;
     constexpr bool kH = decltype(heads)::value;
     constexpr size_t smem = merge_smem<A, kS, kV, Slots<kS, kH>::NKH>();
-    // DOT: one edge a gather batch; GATv2: edge_batch() (or one with
-    // PYG_FASTATTN_BWD_EDGE_BATCH=1)
-    if constexpr (DOT) {
-      gatv2_bwd_rows_kernel<DOT, 1, scalar_t, index_t, kV, kS, kH>
-          <<<dim3(split_grid_x(row_blocks, a.sp), P.L.n_tiles), kBlock,
-             a.sp.nwin > 0 ? smem : 0, stream>>>(a, P.L, row_blocks);
-    } else if (bwd_batch_one()) {
-      gatv2_bwd_rows_kernel<DOT, 1, scalar_t, index_t, kV, kS, kH>
-          <<<dim3(split_grid_x(row_blocks, a.sp), P.L.n_tiles), kBlock,
-             a.sp.nwin > 0 ? smem : 0, stream>>>(a, P.L, row_blocks);
-    } else {
-      gatv2_bwd_rows_kernel<DOT, 0, scalar_t, index_t, kV, kS, kH>
-          <<<dim3(split_grid_x(row_blocks, a.sp), P.L.n_tiles), kBlock,
-             a.sp.nwin > 0 ? smem : 0, stream>>>(a, P.L, row_blocks);
-    }
+    gatv2_bwd_rows_kernel<DOT, scalar_t, index_t, kV, kS, kH>
+        <<<dim3(split_grid_x(row_blocks, a.sp), P.L.n_tiles), kBlock,
+           a.sp.nwin > 0 ? smem : 0, stream>>>(a, P.L, row_blocks);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   launch_split_sum<scalar_t, index_t>(a.sp, a.rowptr, E, a.part_acc, HC, HC,

@@ -36,11 +36,8 @@ std::tuple<at::Tensor, at::Tensor> transformer_attention_cuda(
   PFA_DISPATCH_FLOATS(key.scalar_type(), "transformer_attention_cuda", [&] {
     PFA_DISPATCH_INDEX(rowptr.scalar_type(), "transformer_attention_cuda", [&] {
       using A = acc_t<scalar_t>;
-      auto a = make_args<scalar_t, index_t>(rowptr, col, key, query, edge_term,
-                                            at::Tensor(), mask, at::Tensor(),
-                                            0.0);
-      a.value = value.data_ptr<scalar_t>();
-      a.scale = static_cast<A>(scale);
+      auto a = make_dot_args<scalar_t, index_t>(rowptr, col, query, key, value,
+                                                edge_term, mask, scale);
       a.out = out.data_ptr<scalar_t>();
       a.lse_out = lse.data_ptr<A>();
       constexpr int VW = gatv2_vec<scalar_t>();

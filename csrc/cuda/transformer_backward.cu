@@ -48,18 +48,9 @@ transformer_attention_backward_cuda(
   }
   PFA_DISPATCH_FLOATS(key.scalar_type(), "transformer_attention_backward_cuda", [&] {
     PFA_DISPATCH_INDEX(rowptr.scalar_type(), "transformer_attention_backward_cuda", [&] {
-      using A = acc_t<scalar_t>;
-      auto a = make_args<scalar_t, index_t>(rowptr, col, key, query, edge_term,
-                                            at::Tensor(), mask, at::Tensor(),
-                                            0.0);
-      a.value = value.data_ptr<scalar_t>();
-      a.scale = static_cast<A>(scale);
-      a.colptr = colptr.data_ptr<index_t>();
-      a.csc_row = csc_row.data_ptr<index_t>();
-      a.csc_perm = csc_perm.data_ptr<index_t>();
-      a.fout = fout.data_ptr<scalar_t>();
-      a.lse = lse.data_ptr<A>();
-      a.grad_out = grad_out.data_ptr<scalar_t>();
+      auto a = make_dot_args<scalar_t, index_t>(rowptr, col, query, key, value,
+                                                edge_term, mask, scale);
+      set_backward_inputs(a, colptr, csc_row, csc_perm, fout, lse, grad_out);
       a.g_l = g_k.data_ptr<scalar_t>();
       a.g_r = g_q.data_ptr<scalar_t>();
       a.g_v = g_v.data_ptr<scalar_t>();
