@@ -18,8 +18,8 @@
 #   ops    benchmarks/bench_ops.py --device $DEV
 #   gat    benchmarks/bench_gat.py --device $DEV --cuda-graph
 #   profile  benchmarks/profile_gat.py --device $DEV (not in the default set;
-#          PROFILE_CONV / PROFILE_ONLY / PROFILE_PROVIDERS: its --conv /
-#          --only / --providers; PROFILE_ENV: an env assignment for a
+#          PROFILE_CONV / PROFILE_ONLY / PROFILE_PROVIDERS / PROFILE_ROWS: its
+#          --conv / --only / --providers / --rows; PROFILE_ENV: an env assignment for a
 #          second run, e.g. an A/B knob)
 #   prepare  benchmarks/bench_prepare.py --device $DEV --sizes 1M:20M (graph
 #          preparation and the fresh-graph step; not in the default set)
@@ -352,7 +352,7 @@ fi
 if [ $want_profile -eq 1 ]; then
     # PROFILE_ENV: an env assignment for a second run (A/B in one call)
     # (PROFILE_CONV may name several layer families, one run each)
-    prof="python3 benchmarks/profile_gat.py --device $DEV --conv \$c ${PROFILE_ONLY:+--only '$PROFILE_ONLY'} ${PROFILE_PROVIDERS:+--providers '$PROFILE_PROVIDERS'}"
+    prof="python3 benchmarks/profile_gat.py --device $DEV --conv \$c ${PROFILE_ONLY:+--only '$PROFILE_ONLY'} ${PROFILE_PROVIDERS:+--providers '$PROFILE_PROVIDERS'} ${PROFILE_ROWS:+--rows $PROFILE_ROWS}"
     run_step profile "${T_PROFILE:-120}" "rc=0
 for c in ${PROFILE_CONV:-gat}; do
     $prof || rc=1
