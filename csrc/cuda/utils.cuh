@@ -394,7 +394,7 @@ inline dim3 row_grid(int64_t N, int n_tiles, int64_t tail_elems = 0) {
 // first edge, or in slot 1 when it starts inside the window (at most one
 // long row can: it then runs past the window's end). win[2w + q] is the
 // long row of slot q of window w, or -1; partial results of a launch live
-// at slot 2w + q. Kernels: mark_windows (fills win), the op's partial kernel
+// at slot 2w + q. Kernels: mark_windows (writes win), the op's partial kernel
 // (one block per window, both slots), the row kernel (skips long rows) and
 // a combine kernel (per long row, its partials in window order).
 struct SplitArgs {
@@ -404,22 +404,42 @@ struct SplitArgs {
   const int64_t* win = nullptr;
 };
 
-// Thread per row (grid-stride): every long row writes its row id into the
-// slots of the windows it overlaps (one writer per slot).
+// The row r in [0, N) whose range holds edge e of a non-decreasing rowptr
+// (the last r with rowptr[r] <= e: empty rows before it are passed over);
+// 0 when none (the caller checks the range).
+template <typename index_t>
+__device__ __forceinline__ int64_t row_of_edge(const index_t* __restrict__ rowptr,
+                                               int64_t N, int64_t e) {
+  int64_t lo = 0, hi = N;  // rowptr[lo] <= e < rowptr[hi] as far as known
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (static_cast<int64_t>(rowptr[mid]) <= e) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// Thread per window w (grid-stride), one writer per slot: slot 0 gets the
+// row that holds the window's first edge when it is long, slot 1 a long row
+// that starts inside the window (it holds the window's last edge: a long
+// row has more than split >= chunk edges), else -1.
 template <typename index_t>
 __global__ void __launch_bounds__(kBlock)
     mark_windows_kernel(const index_t* __restrict__ rowptr, int64_t N,
-                        int64_t E, int64_t split, int64_t chunk,
+                        int64_t E, int64_t split, int64_t chunk, int64_t nwin,
                         int64_t* __restrict__ win) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-       r < N; r += stride) {
+  for (int64_t w = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       w < nwin; w += stride) {
+    const int64_t a = w * chunk;
+    const int64_t b = (a + chunk < E ? a + chunk : E) - 1;
     int64_t s, t;
-    row_range(rowptr, r, E, s, t);
-    if (t - s <= split) continue;
-    const int64_t w0 = s / chunk, w1 = (t - 1) / chunk;
-    for (int64_t w = w0; w <= w1; ++w)
-      win[2 * w + ((w == w0 && s > w * chunk) ? 1 : 0)] = r;
+    const int64_t r0 = row_of_edge(rowptr, N, a);
+    row_range(rowptr, r0, E, s, t);
+    win[2 * w] = (t - s > split && s <= a && a < t) ? r0 : -1;
+    const int64_t r1 = row_of_edge(rowptr, N, b);
+    row_range(rowptr, r1, E, s, t);
+    win[2 * w + 1] =
+        (r1 != r0 && t - s > split && s > a && s <= b && b < t) ? r1 : -1;
   }
 }
 
@@ -475,14 +495,14 @@ inline SplitArgs make_split(const index_t* rowptr, int64_t N, int64_t E,
   sp.chunk = plan.chunk;
   sp.nwin = ceil_div(E, sp.chunk);
   PFA_CHECK(sp.nwin < (int64_t(1) << 30), "too many edge windows: ", sp.nwin);
-  win = at::full({2 * sp.nwin}, -1, opts.dtype(at::kLong));
+  win = at::empty({2 * sp.nwin}, opts.dtype(at::kLong));
   sp.win = win.data_ptr<int64_t>();
   const int64_t blocks = std::max<int64_t>(
-      1, std::min<int64_t>(ceil_div(N, kBlock), int64_t(num_sms()) * 8));
+      1, std::min<int64_t>(ceil_div(sp.nwin, kBlock), int64_t(num_sms()) * 8));
   mark_windows_kernel<index_t>
       <<<static_cast<unsigned>(blocks), kBlock, 0,
          at::cuda::getCurrentCUDAStream()>>>(rowptr, N, E, sp.split, sp.chunk,
-                                             win.data_ptr<int64_t>());
+                                             sp.nwin, win.data_ptr<int64_t>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return sp;
 }
