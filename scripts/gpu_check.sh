@@ -22,7 +22,8 @@
 #          --conv / --only / --providers / --rows; PROFILE_ENV: an env assignment for a
 #          second run, e.g. an A/B knob)
 #   prepare  benchmarks/bench_prepare.py --device $DEV --sizes 1M:20M (graph
-#          preparation and the fresh-graph step; not in the default set)
+#          preparation and the fresh-graph step; PREPARE_ARGS: more of its
+#          arguments; not in the default set)
 #   ddp    examples/train_ddp.py under torchrun (NCCL), 1 process and one
 #          per visible GPU when there are several (not in the default set)
 #   cpubench  benchmarks/bench_gat.py --device cpu on this machine's cores
@@ -111,8 +112,10 @@ for a in "$@"; do
     esac
 done
 
-# min seconds reserved for each later step (so early steps cannot starve them)
-MIN_TESTS_CUDA=45 MIN_TESTS=60 MIN_OPS=90 MIN_GAT=120 MIN_PROFILE=60 MIN_PREPARE=40 MIN_DDP=40 MIN_CPUBENCH=60
+# min seconds reserved for each later step (so early steps cannot starve them;
+# MIN_<STEP> overrides)
+MIN_TESTS_CUDA=${MIN_TESTS_CUDA:-45} MIN_TESTS=${MIN_TESTS:-60} MIN_OPS=${MIN_OPS:-90} MIN_GAT=${MIN_GAT:-120}
+MIN_PROFILE=${MIN_PROFILE:-60} MIN_PREPARE=${MIN_PREPARE:-40} MIN_DDP=${MIN_DDP:-40} MIN_CPUBENCH=${MIN_CPUBENCH:-60}
 
 reserved_after() { # sum of the minimum shares of the wanted steps after $1
     local s=0 seen=0 st
@@ -362,7 +365,7 @@ exit \$rc"
 fi
 
 if [ $want_prepare -eq 1 ]; then
-    run_step prepare "${T_PREPARE:-120}" "python3 benchmarks/bench_prepare.py --device $DEV --sizes 1M:20M --out '$BENCH' $quick"
+    run_step prepare "${T_PREPARE:-120}" "python3 benchmarks/bench_prepare.py --device $DEV --sizes 1M:20M --out '$BENCH' $quick ${PREPARE_ARGS:-}"
 fi
 
 if [ $want_ddp -eq 1 ]; then
