@@ -9,6 +9,7 @@
 #include <torch/autograd.h>
 
 #include <array>
+#include <cstdlib>
 
 #include "../common.h"
 
@@ -221,10 +222,15 @@ std::vector<at::Tensor> gat_attention_backward(
   at::Tensor g_x, g_w, g_h_dst, g_att_src, g_att_dst;
   // Host-bound sizes take the score kernel (one launch and no GEMM for the
   // score terms) even where the GEMMs through x would read less.
+  // PYG_FASTATTN_THROUGH_X=1 (A/B): the GEMMs through x wherever they apply.
+  static const bool prefer_x = [] {
+    const char* env = std::getenv("PYG_FASTATTN_THROUGH_X");
+    return env != nullptr && std::atoi(env) == 1;
+  }();
+  const bool x_path = weight.has_value() && !need_x && x->size(1) <= 2 * HC;
   const bool small = dst_is_src && g_h.is_contiguous() &&
-                     score_kernel(h, att_src, att_dst);
-  const bool through_x =
-      !small && weight.has_value() && !need_x && x->size(1) <= 2 * HC;
+                     score_kernel(h, att_src, att_dst) && !(prefer_x && x_path);
+  const bool through_x = !small && x_path;
   if (small) {
 #ifdef PFA_WITH_CUDA
     std::tie(g_att_src, g_att_dst) = cuda::gat_score_backward_cuda(
