@@ -30,8 +30,8 @@
 #          (CPU_BENCH_ONLY, default "Cora epoch"; CPU_BENCH_CONV, default
 #          gat; providers pyg,fast,floor; not in the default set)
 #
-# TEST_ARGS: pytest arguments in place of the whole suite for tests /
-# cudatests (files, -k, ...); TEST_ENV: an env assignment for a second
+# TEST_ARGS: pytest arguments in place of the whole suite for cudatests
+# (files, -k, ...), test files in place of the whole suite for tests; TEST_ENV: an env assignment for a second
 # cudatests run of the same selection (e.g. PYG_FASTATTN_SPLIT_EDGES=16).
 # BENCH_ONLY / BENCH_PROVIDERS: --only / --providers of bench_gat.py;
 # BENCH_XGRAD=1: its --x-grad (layer fwd+bwd also differentiates x).
@@ -316,7 +316,7 @@ python3 -m pytest ${TEST_ARGS:-tests} -q -x -m cuda -rfEs --durations=10 -p no:c
         # tests_<k>.part.
         run_step tests "${T_TESTS:-360}" '
 n=${TEST_SHARDS:-1}
-mapfile -t shards < <(scripts/test_shards.sh "$n")
+mapfile -t shards < <(scripts/test_shards.sh "$n" ${TEST_ARGS:-})
 pids=()
 for ((k = 0; k < n; k++)); do
     [ -n "${shards[$k]:-}" ] || continue

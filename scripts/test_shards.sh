@@ -3,10 +3,14 @@
 # files per shard): the heaviest file first, each to the least-loaded shard.
 # Weights: rough seconds per file on the H200 machine's 16 cores (the
 # whole-suite run of 2026-12-01); unknown files weigh 3.
-#   scripts/test_shards.sh 5
+#   scripts/test_shards.sh 5                 # every tests/test_*.py
+#   scripts/test_shards.sh 2 tests/test_a.py tests/test_b.py
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 n=${1:-1}
+shift || true
+pool=("$@")
+[ ${#pool[@]} -gt 0 ] || pool=(tests/test_*.py)
 weight() {
     case $(basename "$1") in
         test_compile.py) echo 200 ;;
@@ -19,7 +23,7 @@ weight() {
         *) echo 3 ;;
     esac
 }
-mapfile -t files < <(for f in tests/test_*.py; do echo "$(weight "$f") $f"; done |
+mapfile -t files < <(for f in "${pool[@]}"; do echo "$(weight "$f") $f"; done |
     LC_ALL=C sort -k1,1nr -k2,2 | cut -d' ' -f2)
 declare -a load sel
 for ((k = 0; k < n; k++)); do load[k]=0 sel[k]=""; done
