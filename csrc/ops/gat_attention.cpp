@@ -9,7 +9,6 @@
 #include <torch/autograd.h>
 
 #include <array>
-#include <cstdlib>
 
 #include "../common.h"
 
@@ -220,18 +219,9 @@ std::vector<at::Tensor> gat_attention_backward(
     g_dst = call_segment_sum(rowptr, need_edge ? OptTensor() : OptTensor(csc_inv), g_z);
   at::Tensor g_h2 = g_h.view({Ns, HC});
   at::Tensor g_x, g_w, g_h_dst, g_att_src, g_att_dst;
-  // Host-bound sizes take the score kernel (one launch and no GEMM for the
-  // score terms) even where the GEMMs through x would read less.
-  // PYG_FASTATTN_THROUGH_X=1 (A/B): the GEMMs through x wherever they apply.
-  static const bool prefer_x = [] {
-    const char* env = std::getenv("PYG_FASTATTN_THROUGH_X");
-    return env != nullptr && std::atoi(env) == 1;
-  }();
-  const bool x_path = weight.has_value() && !need_x && x->size(1) <= 2 * HC;
-  const bool small = dst_is_src && g_h.is_contiguous() &&
-                     score_kernel(h, att_src, att_dst) && !(prefer_x && x_path);
-  const bool through_x = !small && x_path;
-  if (small) {
+  const bool through_x = weight.has_value() && !need_x && x->size(1) <= 2 * HC;
+  if (dst_is_src && !through_x && g_h.is_contiguous() &&
+      score_kernel(h, att_src, att_dst)) {
 #ifdef PFA_WITH_CUDA
     std::tie(g_att_src, g_att_dst) = cuda::gat_score_backward_cuda(
         h, g_h, g_src, g_dst, att_src, att_dst);
