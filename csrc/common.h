@@ -130,6 +130,19 @@ void check_same_dtype(const at::Tensor& ref, const at::Tensor& t,
                       const char* ref_name, const char* name);
 void check_size(const at::Tensor& t, int64_t dim, int64_t size,
                 const char* name, const char* what);
+// t: `rows` rows (what: their meaning) of ref's heads (and channels when
+// dim == 3), ref's dtype and device.
+void check_rows(const at::Tensor& ref, const char* ref_name,
+                const at::Tensor& t, const char* name, int64_t rows,
+                const char* what, int64_t dim);
+// What a fused attention backward reads besides the forward's inputs: the
+// transpose (colptr [Ns + 1], csc_row and csc_perm [E]), out and grad_out
+// [N, H, C] like src [Ns, H, C], lse [N, H] in src's opmath type.
+void check_backward_state(const at::Tensor& rowptr, const at::Tensor& col,
+                          const at::Tensor& colptr, const at::Tensor& csc_row,
+                          const at::Tensor& csc_perm, const at::Tensor& src,
+                          const char* src_name, const at::Tensor& out,
+                          const at::Tensor& lse, const at::Tensor& grad_out);
 
 // Per-op checks; each is defined in csrc/ops/<op>.cpp next to its schema and
 // called first by the CPU and the CUDA kernel of that op.

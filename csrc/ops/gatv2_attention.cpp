@@ -3,19 +3,6 @@
 #include "../common.h"
 
 namespace pyg_fastattn {
-namespace {
-
-void check_rows(const at::Tensor& ref, const at::Tensor& t, const char* name,
-                int64_t rows, const char* what, int64_t dim) {
-  check_float(t, name, dim);
-  check_same_device(ref, t, "x_l", name);
-  check_same_dtype(ref, t, "x_l", name);
-  check_size(t, 0, rows, name, what);
-  check_size(t, 1, ref.size(1), name, "heads of `x_l`");
-  if (dim == 3) check_size(t, 2, ref.size(2), name, "channels of `x_l`");
-}
-
-}  // namespace
 
 // rowptr [N+1]; col [E]; x_l [Ns, H, C]; x_r [N, H, C]; edge_term [E, H, C];
 // att [H, C]; mask [E, H]; bias [H * C elements]. Float tensors share x_l's
@@ -31,10 +18,11 @@ void check_gatv2_attention(const at::Tensor& rowptr, const at::Tensor& col,
   check_float(x_l, "x_l", 3);
   check_same_device(rowptr, x_l, "rowptr", "x_l");
   const int64_t N = rowptr.numel() - 1, E = col.numel();
-  check_rows(x_l, x_r, "x_r", N, "one row per destination node", 3);
+  check_rows(x_l, "x_l", x_r, "x_r", N, "one row per destination node", 3);
   if (edge_term.has_value())
-    check_rows(x_l, *edge_term, "edge_term", E, "one row per edge", 3);
-  if (mask.has_value()) check_rows(x_l, *mask, "mask", E, "one row per edge", 2);
+    check_rows(x_l, "x_l", *edge_term, "edge_term", E, "one row per edge", 3);
+  if (mask.has_value())
+    check_rows(x_l, "x_l", *mask, "mask", E, "one row per edge", 2);
   check_float(att, "att", 2);
   check_same_device(x_l, att, "x_l", "att");
   check_same_dtype(x_l, att, "x_l", "att");
@@ -58,24 +46,8 @@ void check_gatv2_attention_backward(
     const c10::optional<at::Tensor>& bias, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& grad_out) {
   check_gatv2_attention(rowptr, col, x_l, x_r, edge_term, att, mask, bias);
-  const int64_t N = rowptr.numel() - 1;
-  check_index(colptr, rowptr, "colptr");
-  check_size(colptr, 0, x_l.size(0) + 1, "colptr",
-             "one entry per source node plus one");
-  check_index(csc_row, rowptr, "csc_row");
-  check_size(csc_row, 0, col.numel(), "csc_row", "one entry per edge");
-  check_index(csc_perm, rowptr, "csc_perm");
-  check_size(csc_perm, 0, col.numel(), "csc_perm", "one entry per edge");
-  check_rows(x_l, out, "out", N, "one row per destination node", 3);
-  check_rows(x_l, grad_out, "grad_out", N, "one row per destination node", 3);
-  check_float(lse, "lse", 2);
-  check_same_device(rowptr, lse, "rowptr", "lse");
-  PFA_CHECK(lse.scalar_type() == opmath_type(x_l.scalar_type()),
-            "`lse` must have dtype ", opmath_type(x_l.scalar_type()), ", got ",
-            lse.scalar_type());
-  PFA_CHECK(lse.size(0) == N && lse.size(1) == x_l.size(1),
-            "`lse` must have shape [", N, ", ", x_l.size(1), "], got ",
-            lse.sizes());
+  check_backward_state(rowptr, col, colptr, csc_row, csc_perm, x_l, "x_l", out,
+                       lse, grad_out);
 }
 
 }  // namespace pyg_fastattn
