@@ -45,3 +45,24 @@ def noncontig(t):
     out = big[..., 0]
     assert not out.is_contiguous() or t.numel() <= 1
     return out
+
+
+def assert_bitwise(xs, ys, what):
+    """Every tensor of xs equals its partner in ys to the bit."""
+    for k, (x, y) in enumerate(zip(xs, ys)):
+        assert torch.equal(x, y), f'{what}: output {k} differs'
+
+
+def assert_deterministic(run, device):
+    """run() (a list of tensors) twice bitwise equal, and on the CPU also
+    with 1 and 2 threads."""
+    first = run()
+    assert_bitwise(first, run(), 'second run')
+    if device == 'cpu':
+        threads = torch.get_num_threads()
+        try:
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                assert_bitwise(first, run(), f'{n} thread(s)')
+        finally:
+            torch.set_num_threads(threads)

@@ -13,7 +13,7 @@ from torch_geometric.nn import GATv2Conv
 from pyg_fastattn import FastGATv2Conv, ops, reference, swap
 
 from conftest import DEVICES, requires_cuda
-from graphs import make_graph, noncontig
+from graphs import assert_deterministic, make_graph, noncontig
 
 KINDS = ['mixed', 'huge', 'empty', 'single', 'deg1']
 
@@ -305,20 +305,7 @@ def test_backward_bitwise_reproducible(device):
             rowptr, col, a, b, c, e, m), (x_l, x_r, att, e_t), go)
         return g
 
-    first = run()
-    runs = [run()]
-    if device == 'cpu':
-        n = torch.get_num_threads()
-        try:
-            torch.set_num_threads(1)
-            runs.append(run())
-            torch.set_num_threads(2)
-            runs.append(run())
-        finally:
-            torch.set_num_threads(n)
-    for other in runs:
-        for a, b in zip(first, other):
-            assert torch.equal(a, b)
+    assert_deterministic(run, device)
 
 
 @pytest.mark.parametrize('device', DEVICES)

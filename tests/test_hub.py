@@ -14,7 +14,7 @@ import torch
 from pyg_fastattn import _build, ops, reference as R
 
 from conftest import DEVICES
-from graphs import csr_from_degrees
+from graphs import assert_deterministic, csr_from_degrees
 from test_gatv2 import _bias, _check as _check_gatv2
 from test_ops import TOL, _check, _leaf
 from test_transformer_attention import _check as _check_transformer
@@ -194,11 +194,6 @@ def test_hub_sddmm(split, device, idx):
            lambda a, b: (a[row] * b[col]).sum(-1), [a, b], torch.float64)
 
 
-def _bitwise(xs, ys, what):
-    for k, (x, y) in enumerate(zip(xs, ys)):
-        assert torch.equal(x, y), f'{what}: output {k} differs between runs'
-
-
 def _deterministic_inputs(split, device, dtype):
     """The hub graph (int64) and a seeded rn(*shape) of dtype (bfloat16
     for float16 on the CPU)."""
@@ -211,21 +206,6 @@ def _deterministic_inputs(split, device, dtype):
         return torch.randn(*shape, device=device, generator=g,
                            dtype=torch.float32).to(dtype)
     return rowptr, col, Ns, rn
-
-
-def _deterministic(run, device):
-    """run() twice bitwise equal, and on the CPU also with 1 and 2
-    threads."""
-    first = run()
-    _bitwise(first, run(), 'second run')
-    if device == 'cpu':
-        threads = torch.get_num_threads()
-        try:
-            for n in (1, 2):
-                torch.set_num_threads(n)
-                _bitwise(first, run(), f'{n} thread(s)')
-        finally:
-            torch.set_num_threads(threads)
 
 
 @pytest.mark.parametrize('device', DEVICES)
@@ -251,7 +231,7 @@ def test_hub_deterministic(split, device, dtype):
         gs, = torch.autograd.grad(y, s, gy)
         return [out, *grads, y, gs]
 
-    _deterministic(run, device)
+    assert_deterministic(run, device)
 
 
 @pytest.mark.parametrize('device', DEVICES)
@@ -305,7 +285,7 @@ def test_hub_gatv2_deterministic(split, device, dtype):
                                        return_lse=True, bias=bias)
         return [out, lse, *torch.autograd.grad(out, leaves, go)]
 
-    _deterministic(run, device)
+    assert_deterministic(run, device)
 
 
 @pytest.mark.parametrize('device', DEVICES)
@@ -356,4 +336,4 @@ def test_hub_transformer_deterministic(split, device, dtype):
                                              csc=csc, return_lse=True)
         return [out, lse, *torch.autograd.grad(out, leaves, go)]
 
-    _deterministic(run, device)
+    assert_deterministic(run, device)

@@ -13,7 +13,8 @@ from pyg_fastattn import _build, ops, reference
 from pyg_fastattn.ops._lib import use_reference
 
 from conftest import DEVICES
-from graphs import csr_from_degrees, make_graph, noncontig
+from graphs import (assert_deterministic, csr_from_degrees, make_graph,
+                    noncontig)
 from test_gatv2 import _check_half, _grads, _misaligned
 
 KINDS = ['mixed', 'huge', 'empty', 'single', 'deg1']
@@ -340,19 +341,7 @@ def test_backward_bitwise_reproducible(device):
             rowptr, col, a, b, c, e, m, SCALE, csc=csc), (q, k, v, e_t), go)
         return [out] + g
 
-    first = run()
-    runs = [run()]
-    if device == 'cpu':
-        n = torch.get_num_threads()
-        try:
-            for threads in (1, 2):
-                torch.set_num_threads(threads)
-                runs.append(run())
-        finally:
-            torch.set_num_threads(n)
-    for other in runs:
-        for a, b in zip(first, other):
-            assert torch.equal(a, b)
+    assert_deterministic(run, device)
 
 
 @pytest.mark.parametrize('device', DEVICES)
