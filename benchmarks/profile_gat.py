@@ -1,6 +1,8 @@
 #!/usr/bin/env python3
 """Where the time of a GAT workload goes: ``torch.profiler`` tables of the
-fast layer (and PyG's) for the training epoch and one layer forward+backward.
+fast layer (and PyG's, and the Linear floor's) for the training epoch, one
+layer forward+backward, a training step on a fresh graph and graph
+preparation.
 
     python benchmarks/profile_gat.py --device cuda            # all workloads
     python benchmarks/profile_gat.py --device cpu --only Cora
@@ -8,7 +10,8 @@ fast layer (and PyG's) for the training epoch and one layer forward+backward.
 
 Prints, per workload and provider: median time, number of dispatched aten
 ops (host overhead per op is what bounds small graphs) and the top kernels
-(CUDA) or ops (CPU) by self time. Not a benchmark of record; see
+(CUDA) or ops (CPU) by self time; the host-bound epochs and step are sorted
+by self CPU (host) time on CUDA too. Not a benchmark of record; see
 ``bench_gat.py`` for that.
 """
 import argparse
@@ -152,7 +155,6 @@ def main():
         work.append(('layer 1000000/20000000 power s=1.0 128->4x32 fwd+bwd',
                      lambda c, a: layer_fn(c, 1_000_000, 20_000_000, 128, 4,
                                            32, dev, ('power', 1.0), amp=a)))
-    # host-bound: its table (and the epochs') is sorted by self CPU (host) time
     work.append(('step 60000/600000 fresh graph',
                  lambda c, a: step_fn(c, dev)))
     if dev.type == 'cuda':
