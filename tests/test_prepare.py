@@ -297,8 +297,29 @@ def test_eager_prepare_skips_the_custom_op_wrappers(monkeypatch):
     g = prepare(ei, num_nodes=3)
     monkeypatch.undo()
     want = graph_mod._build_csr(ei[0], ei[1], 3, 3, True, False, None)
-    for got, w in zip((g.rowptr, g.col, g.csr_perm, g.removed, g.fill_index),
-                      want):
+    assert len(want) == 4
+    for got, w in zip((g.rowptr, g.col, g.csr_perm, g.removed), want):
         assert torch.equal(got, w)
     for got, w in zip(g.csc, graph_mod._build_csc(g.rowptr, g.col, 3)):
         assert torch.equal(got, w)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('is_sorted', [True, False])
+@pytest.mark.parametrize('num_src,num_dst', [(30, 20), (12, 20)])
+def test_fill_index_from_the_csr(device, is_sorted, num_src, num_dst):
+    """fill_index (computed from the CSR on first access) is each input
+    edge's destination, L for a removed self-loop or a destination >= L; None
+    without added loops."""
+    gen = torch.Generator().manual_seed(4)
+    ei, shuffled = make_edges(num_src, num_dst, 300, True, gen, device)
+    e = ei if is_sorted else shuffled
+    L = min(num_src, num_dst)
+    g = prepare(e, size=(num_src, num_dst), sorted=is_sorted)
+    src, dst = e[0], e[1]
+    want = dst.masked_fill((src == dst) | (dst >= L), L)
+    assert g.fill_index.dtype == torch.int64
+    assert torch.equal(g.fill_index, want)
+    assert g.fill_index is g.fill_index  # kept
+    assert prepare(e, size=(num_src, num_dst), add_self_loops=False,
+                   sorted=is_sorted).fill_index is None

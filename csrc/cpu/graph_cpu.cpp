@@ -8,8 +8,8 @@ namespace pyg_fastattn {
 namespace {
 
 using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-using Outputs6 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                            at::Tensor, at::Tensor>;
+using Outputs5 =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // Augmented edges (the E input edges, then the L loops (i, i)) sorted by key
 // = destination, num_dst for a removed self-loop, i for loop i: one pass
@@ -17,7 +17,7 @@ using Outputs6 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
 // edges in order, so equal keys keep input order. Serial; the same result
 // for sorted and unsorted input (is_sorted only saves the GPU its sort).
 // The counting pass also sets the status bits (every one of them).
-Outputs6 csr_build_cpu(const at::Tensor& src, const at::Tensor& dst,
+Outputs5 csr_build_cpu(const at::Tensor& src, const at::Tensor& dst,
                        int64_t num_src, int64_t num_dst, bool add_self_loops,
                        bool /*is_sorted*/) {
   check_csr_build(src, dst, num_src, num_dst, add_self_loops);
@@ -29,7 +29,6 @@ Outputs6 csr_build_cpu(const at::Tensor& src, const at::Tensor& dst,
   at::Tensor col = at::empty({n}, opt.dtype(at::kInt));
   at::Tensor perm = at::empty({n}, opt.dtype(at::kLong));
   at::Tensor removed = at::empty({n}, opt.dtype(at::kBool));
-  at::Tensor fill = at::empty({L > 0 ? E : 0}, opt.dtype(at::kLong));
   at::Tensor status = at::zeros({1}, opt.dtype(at::kInt));
   PFA_DISPATCH_INDEX(src.scalar_type(), "csr_build_cpu", [&] {
     const index_t* s = src.const_data_ptr<index_t>();
@@ -59,7 +58,6 @@ Outputs6 csr_build_cpu(const at::Tensor& src, const at::Tensor& dst,
     int32_t* cl = col.data_ptr<int32_t>();
     int64_t* pm = perm.data_ptr<int64_t>();
     bool* rm = removed.data_ptr<bool>();
-    int64_t* fi = L > 0 ? fill.data_ptr<int64_t>() : nullptr;
     for (int64_t e = 0; e < E; ++e) {
       const int64_t se = s[e * ss], de = d[e * ds];
       const bool loop = L > 0 && se == de;
@@ -67,7 +65,6 @@ Outputs6 csr_build_cpu(const at::Tensor& src, const at::Tensor& dst,
       pm[p] = e;
       cl[p] = static_cast<int32_t>(se);
       rm[e] = loop;
-      if (fi != nullptr) fi[e] = (loop || de >= L) ? L : de;
     }
     for (int64_t i = 0; i < L; ++i) {
       const int64_t p = next[i]++;
@@ -76,7 +73,7 @@ Outputs6 csr_build_cpu(const at::Tensor& src, const at::Tensor& dst,
       rm[E + i] = false;
     }
   });
-  return {rowptr, col, perm, removed, fill, status};
+  return {rowptr, col, perm, removed, status};
 }
 
 // The transpose: CSR positions sorted by key = column (num_cols past

@@ -5,10 +5,13 @@
 //                augmented position) -> split kernel (with the pointer at
 //                key boundaries) -> pointer fallback (a no-op unless a run
 //                of empty rows is long).
-// Sorted CSR:    cub exclusive scan of the keep flags (read from the input
-//                on the fly) -> scatter kernel (no sort; row starts marked)
-//                -> cub min-scan of the marks -> rowptr / loop kernel ->
-//                fix-up kernel (a no-op unless dst decreases somewhere).
+// Sorted CSR:    count kernel (kept edges per tile) -> cub exclusive scan
+//                of the counts -> scatter kernel (no sort; each edge's CSR
+//                position from the tile's prefix, the row pointer at row
+//                starts) -> pointer fallback (a no-op unless a run of empty
+//                rows is long or the input is bad) -> fix-up kernel (input
+//                order of the removed self-loops; clamps when dst decreases
+//                somewhere).
 // CSC:           tiled keys kernel -> cub radix sort (column, row << 32 | CSR
 //                position) -> finish kernel (with the pointer; the inv
 //                scatter in passes over ranges of CSR positions that fit
@@ -18,10 +21,7 @@
 // the sort and no kernel gathers at random. cub's radix sort is stable, so
 // equal keys keep position order as torch's stable sort does.
 #include <cub/cub.cuh>
-#include <thrust/iterator/counting_iterator.h>
-#include <thrust/iterator/transform_iterator.h>
 
-#include <limits>
 #include <tuple>
 
 #include "utils.cuh"
@@ -31,8 +31,8 @@ namespace cuda {
 namespace {
 
 using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
-using Outputs6 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
-                            at::Tensor, at::Tensor>;
+using Outputs5 =
+    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // Adds status bits (kGraphBad*, common.h) seen by one thread; bad input is
 // rare, so the atomic is almost never issued.
@@ -160,7 +160,7 @@ __global__ void ptr_fallback_kernel(const int32_t* __restrict__ fallback,
 // Unsorted CSR. One thread per augmented edge i in [0, E + L)
 // (grid-stride): its sort key (destination; num_dst for a removed
 // self-loop; d for the added loop (d, d)), its value (source as int32, the
-// col it gets) << 32 | i, removed / fill_index and the range bits.
+// col it gets) << 32 | i, removed and the range bits.
 template <typename index_t>
 __global__ void csr_keys_kernel(const index_t* __restrict__ src, int64_t ss,
                                 const index_t* __restrict__ dst, int64_t ds,
@@ -168,7 +168,6 @@ __global__ void csr_keys_kernel(const index_t* __restrict__ src, int64_t ss,
                                 int64_t num_dst, uint32_t* __restrict__ key,
                                 uint64_t* __restrict__ val,
                                 bool* __restrict__ removed,
-                                int64_t* __restrict__ fill,
                                 int32_t* __restrict__ status) {
   PFA_GRID_STRIDE(i, E + L) {
     int64_t c;
@@ -178,7 +177,6 @@ __global__ void csr_keys_kernel(const index_t* __restrict__ src, int64_t ss,
       const bool loop = L > 0 && s == d;
       key[i] = static_cast<uint32_t>(loop ? num_dst : clamp_to(d, 0, num_dst));
       removed[i] = loop;
-      if (L > 0) fill[i] = (loop || d >= L) ? L : d;
       c = s;
     } else {
       c = i - E;
@@ -230,94 +228,164 @@ __global__ void csr_copy_kernel(const index_t* __restrict__ src, int64_t ss,
 
 // Sorted CSR with loops: keep(i) = 1 for an input edge i < E that is not a
 // self-loop, 0 at i = E (so the exclusive scan of [0, E] ends with the kept
-// total). Read by the scan as it goes (no flags array).
+// total).
 template <typename index_t>
-struct KeepFlag {
+__device__ __forceinline__ bool keep_edge(const index_t* __restrict__ src,
+                                          int64_t ss,
+                                          const index_t* __restrict__ dst,
+                                          int64_t ds, int64_t E, int64_t i) {
+  return i < E && src[i * ss] != dst[i * ds];
+}
+
+// Sorted CSR with loops: csr_sorted_scatter_kernel calls this for every i
+// in [0, E] with before = kept edges before i. An input edge i < E gets
+// its CSR position p (row d: kept edges in input order, then the loop
+// (d, d)): perm[p] = i, col[p] = its source; and removed[i], the range and
+// order bits. A removed self-loop, the r-th (r = i - before),
+// goes to n - 1 - r: the tail in reverse, since the kept total is not known
+// yet (csr_sorted_fixup_kernel restores input order). Non-decreasing dst
+// (in range or not) makes p a bijection onto [0, n); a decrease sets
+// kGraphUnsorted (p is clamped, positions may be missed). Row pointer: with
+// h = min(dst[i], num_dst) (num_dst at i = E), for every row x in
+// (dst[i - 1], h] (from 0 at i = 0), rowptr[x] = before + min(x, L) and,
+// for 1 <= x <= L, the loop of row x - 1 takes slot rowptr[x] - 1; a run
+// longer than kGraphPtrGap sets *fallback instead (csr_sorted_ptr_kernel).
+// ck[i] = before is kept for that kernel at row starts and at i = E.
+template <typename index_t>
+struct SortedScatter {
   const index_t* src;
   int64_t ss;
   const index_t* dst;
   int64_t ds;
-  int64_t E;
-  __host__ __device__ int32_t operator()(int64_t i) const {
-    return i < E && src[i * ss] != dst[i * ds] ? 1 : 0;
-  }
-};
+  int64_t E, L, num_src, num_dst;
+  int32_t* ck;
+  int64_t* perm;
+  int32_t* col;
+  bool* removed;
+  int32_t* rowptr;
+  int32_t* fallback;
+  int32_t* status;
 
-// Sorted CSR with loops. One thread per i in [0, E] (grid-stride). An input
-// edge i < E gets its CSR position p (row d: kept edges in input order, then
-// the loop (d, d); removed self-loops after every row, in input order):
-// perm[p] = i, col[p] = its source; and removed[i], fill_index[i].
-// Non-decreasing dst (in range or not) makes p a bijection onto the
-// non-loop slots of [0, E + L); a decrease sets kGraphUnsorted (p is
-// clamped, but positions may be missed: csr_fixup_kernel). Also the range
-// bits. Row marks: with
-// h = min(dst[i], num_dst) (num_dst at i = E), if dst[i - 1] < h (or i = 0)
-// and h >= 0, mark[num_dst - h] = ck[i]; the suffix minimum of the marks
-// over rows >= x is then ck[lower_bound(dst, x)] for sorted dst (reversed
-// so that cub scans forward). mark[0] (row num_dst) is always written.
-template <typename index_t>
-__global__ void csr_scatter_kernel(const index_t* __restrict__ src, int64_t ss,
-                                   const index_t* __restrict__ dst, int64_t ds,
-                                   int64_t E, int64_t L, int64_t num_dst,
-                                   const int32_t* __restrict__ ck,
-                                   int64_t* __restrict__ perm,
-                                   int32_t* __restrict__ col,
-                                   bool* __restrict__ removed,
-                                   int64_t* __restrict__ fill,
-                                   int32_t* __restrict__ mark,
-                                   int64_t num_src,
-                                   int32_t* __restrict__ status) {
-  const int64_t n = E + L;
-  const int64_t kept = ck[E];
-  PFA_GRID_STRIDE(i, E + 1) {
-    const int64_t before = ck[i];  // kept edges before i
+  __device__ __forceinline__ void operator()(int64_t i,
+                                             int64_t before) const {
+    const int64_t n = E + L;
     const bool first = i == 0;
-    const int64_t prev = first ? 0 : static_cast<int64_t>(dst[(i - 1) * ds]);
+    const int64_t prev = first ? -1 : static_cast<int64_t>(dst[(i - 1) * ds]);
     int64_t h = num_dst;
     if (i < E) {
       const int64_t s = src[i * ss], d = dst[i * ds];
       const bool loop = s == d;
       const int64_t p = clamp_to(
-          loop ? i - before + kept + L : before + clamp_to(d, 0, L), 0,
-          n - 1);
+          loop ? n - 1 - (i - before) : before + clamp_to(d, 0, L), 0, n - 1);
       removed[i] = loop;
-      fill[i] = (loop || d >= L) ? L : d;
       perm[p] = i;
       col[p] = static_cast<int32_t>(s);
       report(status, range_bits(s, d, num_src, num_dst) |
                          (!first && prev > d ? kGraphUnsorted : 0));
       h = d < num_dst ? d : num_dst;
     }
-    if ((first || prev < h) && h >= 0)
-      mark[num_dst - h] = static_cast<int32_t>(before);
-  }
-}
-
-// min(a, b) for cub's scan of the row marks.
-struct MinOp {
-  __host__ __device__ int32_t operator()(int32_t a, int32_t b) const {
-    return b < a ? b : a;
+    const int64_t a = prev + 1 > 0 ? prev + 1 : 0;
+    if (i == E) ck[E] = static_cast<int32_t>(before);
+    if (h < a) return;
+    ck[i] = static_cast<int32_t>(before);  // a row start
+    if (h - a >= kGraphPtrGap) {
+      *fallback = 1;
+      return;
+    }
+    for (int64_t x = a; x <= h; ++x) {
+      const int64_t r = before + (x < L ? x : L);
+      rowptr[x] = static_cast<int32_t>(r);
+      if (x >= 1 && x <= L) {
+        const int64_t q = clamp_to(r - 1, 0, n - 1);
+        perm[q] = E + x - 1;
+        col[q] = static_cast<int32_t>(x - 1);
+        removed[E + x - 1] = false;
+      }
+    }
   }
 };
 
-// Sorted CSR with loops. One thread per row pointer x in [0, num_dst]
-// (grid-stride): rowptr[x] = kept edges before row x (the scanned marks,
-// smin[num_dst - x], clamped into [0, kept]) plus the loops of rows < x;
-// for 1 <= x <= L the loop of row x - 1 takes the row's last slot,
-// rowptr[x] - 1 (clamped), and removed[E + x - 1] = false.
-__global__ void csr_rowptr_loops_kernel(const int32_t* __restrict__ smin,
-                                        const int32_t* __restrict__ ck,
-                                        int64_t E, int64_t L, int64_t num_dst,
-                                        int32_t* __restrict__ rowptr,
-                                        int64_t* __restrict__ perm,
-                                        int32_t* __restrict__ col,
-                                        bool* __restrict__ removed) {
+// Sorted CSR with loops, pass 1. One block per tile of kGraphTile positions
+// of [0, E] (block-stride over tiles): cnt[t] = kept edges in tile t.
+// Thread k reads positions t0 + k + j * kGraphBlock (coalesced).
+template <typename index_t>
+__global__ void __launch_bounds__(kGraphBlock)
+    csr_keep_count_kernel(const index_t* __restrict__ src, int64_t ss,
+                          const index_t* __restrict__ dst, int64_t ds,
+                          int64_t E, int64_t tiles, int32_t* __restrict__ cnt) {
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t t0 = t * kGraphTile;
+    int c = 0;
+#pragma unroll
+    for (int j = 0; j < kGraphItems; ++j)
+      c += __syncthreads_count(
+          keep_edge(src, ss, dst, ds, E, t0 + threadIdx.x + j * kGraphBlock));
+    if (threadIdx.x == 0) cnt[t] = c;
+  }
+}
+
+// Sorted CSR with loops, pass 2. One block per tile (block-stride), the
+// tile's positions in kGraphItems rounds of kGraphBlock consecutive ones:
+// before = base[t] (kept edges before the tile) + the round's exclusive
+// prefix (warp ballots, then the warps' counts in shared memory), then
+// SortedScatter for the position.
+template <typename index_t>
+__global__ void __launch_bounds__(kGraphBlock)
+    csr_sorted_scatter_kernel(SortedScatter<index_t> op, int64_t tiles,
+                              const int32_t* __restrict__ base) {
+  __shared__ int s_warp[kGraphBlock / 32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const unsigned below = (1u << lane) - 1u;
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t t0 = t * kGraphTile;
+    int64_t before = base[t];
+    for (int j = 0; j < kGraphItems; ++j) {
+      const int64_t i = t0 + threadIdx.x + j * kGraphBlock;
+      const bool k = keep_edge(op.src, op.ss, op.dst, op.ds, op.E, i);
+      const unsigned ball = __ballot_sync(0xffffffffu, k);
+      if (lane == 0) s_warp[warp] = __popc(ball);
+      __syncthreads();
+      int ahead = 0, total = 0;
+#pragma unroll
+      for (int w = 0; w < kGraphBlock / 32; ++w) {
+        const int c = s_warp[w];
+        ahead += w < warp ? c : 0;
+        total += c;
+      }
+      if (i <= op.E) op(i, before + ahead + __popc(ball & below));
+      before += total;
+      __syncthreads();  // s_warp is rewritten next round
+    }
+  }
+}
+
+// Sorted CSR with loops, after the scan. One thread per row pointer x in
+// [0, num_dst] (grid-stride), only when a run of empty rows was too long for
+// the scan (*fallback) or the input is bad (status): rowptr[x] = kept edges
+// before row x (ck at the first edge with dst >= x, a row start, by binary
+// search) plus the loops of rows < x, and the loop of row x - 1 in slot
+// rowptr[x] - 1 (as SortedScatter). With dst decreasing somewhere
+// (kGraphUnsorted) the search may miss the row starts: kept * x / num_dst
+// stands in (a monotone pointer in range).
+template <typename index_t>
+__global__ void csr_sorted_ptr_kernel(const int32_t* __restrict__ fallback,
+                                      const int32_t* __restrict__ status,
+                                      const index_t* __restrict__ dst,
+                                      int64_t ds, const int32_t* __restrict__ ck,
+                                      int64_t E, int64_t L, int64_t num_dst,
+                                      int32_t* __restrict__ rowptr,
+                                      int64_t* __restrict__ perm,
+                                      int32_t* __restrict__ col,
+                                      bool* __restrict__ removed) {
+  if (*fallback == 0 && *status == 0) return;
   const int64_t n = E + L;
   const int64_t kept = ck[E];
+  const bool unsorted = (*status & kGraphUnsorted) != 0;
   PFA_GRID_STRIDE(x, num_dst + 1) {
-    const int64_t r =
-        clamp_to(static_cast<int64_t>(smin[num_dst - x]), 0, kept) +
-        (x < L ? x : L);
+    const int64_t k =
+        unsorted ? kept * x / (num_dst > 0 ? num_dst : 1)
+                 : static_cast<int64_t>(ck[lower_bound(dst, ds, E, x)]);
+    const int64_t r = clamp_to(k, 0, kept) + (x < L ? x : L);
     rowptr[x] = static_cast<int32_t>(r);
     if (x >= 1 && x <= L) {
       const int64_t p = clamp_to(r - 1, 0, n - 1);
@@ -328,15 +396,31 @@ __global__ void csr_rowptr_loops_kernel(const int32_t* __restrict__ smin,
   }
 }
 
-// Sorted CSR declared but dst decreasing somewhere (kGraphUnsorted): one thread
-// per CSR position (grid-stride) clamps perm into [0, n) and col into
-// [0, num_src), so positions the scatter missed hold in-range garbage.
-// Returns at once for sorted input.
-__global__ void csr_fixup_kernel(const int32_t* __restrict__ status,
-                                 int64_t n, int64_t num_src,
-                                 int64_t* __restrict__ perm,
-                                 int32_t* __restrict__ col) {
-  if ((*status & kGraphUnsorted) == 0) return;
+// Sorted CSR with loops, last. Sorted input: the R = E - kept removed
+// self-loops sit in the tail [n - R, n) in reverse; one thread per pair
+// (grid-stride) swaps them into input order (nothing to do without input
+// self-loops). Declared sorted but dst decreasing somewhere (kGraphUnsorted):
+// one thread per CSR position clamps perm into [0, n) and col into
+// [0, num_src) instead, so positions the scatter missed hold in-range
+// garbage.
+__global__ void csr_sorted_fixup_kernel(const int32_t* __restrict__ status,
+                                        const int32_t* __restrict__ ck,
+                                        int64_t E, int64_t n, int64_t num_src,
+                                        int64_t* __restrict__ perm,
+                                        int32_t* __restrict__ col) {
+  if ((*status & kGraphUnsorted) == 0) {
+    const int64_t R = E - ck[E], base = n - R;
+    PFA_GRID_STRIDE(t, R / 2) {
+      const int64_t u = base + t, v = n - 1 - t;
+      const int64_t pu = perm[u];
+      perm[u] = perm[v];
+      perm[v] = pu;
+      const int32_t cu = col[u];
+      col[u] = col[v];
+      col[v] = cu;
+    }
+    return;
+  }
   PFA_GRID_STRIDE(p, n) {
     perm[p] = clamp_to(perm[p], 0, n - 1);
     col[p] = static_cast<int32_t>(
@@ -440,8 +524,8 @@ void sort_pairs(cub::DoubleBuffer<uint32_t>& keys, cub::DoubleBuffer<V>& vals,
 }
 
 // out[i] = in[0] + ... + in[i - 1] over n items (cub's single-pass scan).
-template <typename InputIt>
-void exclusive_sum(InputIt in, int32_t* out, int64_t n,
+template <typename InputIt, typename OutputIt>
+void exclusive_sum(InputIt in, OutputIt out, int64_t n,
                    const at::TensorOptions& opt, cudaStream_t stream) {
   size_t bytes = 0;
   C10_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, bytes, in, out,
@@ -451,18 +535,7 @@ void exclusive_sum(InputIt in, int32_t* out, int64_t n,
                                                static_cast<int>(n), stream));
 }
 
-// out[i] = min(in[0], ..., in[i]) over n items.
-void inclusive_min(const int32_t* in, int32_t* out, int64_t n,
-                   const at::TensorOptions& opt, cudaStream_t stream) {
-  size_t bytes = 0;
-  C10_CUDA_CHECK(cub::DeviceScan::InclusiveScan(
-      nullptr, bytes, in, out, MinOp(), static_cast<int>(n), stream));
-  at::Tensor tmp = at::empty({static_cast<int64_t>(bytes)}, opt.dtype(at::kByte));
-  C10_CUDA_CHECK(cub::DeviceScan::InclusiveScan(
-      tmp.data_ptr(), bytes, in, out, MinOp(), static_cast<int>(n), stream));
-}
-
-Outputs6 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
+Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
                         int64_t num_src, int64_t num_dst, bool add_self_loops,
                         bool is_sorted) {
   check_csr_build(src, dst, num_src, num_dst, add_self_loops);
@@ -477,7 +550,6 @@ Outputs6 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
   at::Tensor col = at::empty({n}, i32);
   at::Tensor perm = at::empty({n}, opt.dtype(at::kLong));
   at::Tensor removed = at::empty({n}, opt.dtype(at::kBool));
-  at::Tensor fill = at::empty({L > 0 ? E : 0}, opt.dtype(at::kLong));
   at::Tensor status = at::zeros({1}, i32);
   int32_t* st = status.data_ptr<int32_t>();
   PFA_DISPATCH_INDEX(src.scalar_type(), "csr_build_cuda", [&] {
@@ -488,7 +560,6 @@ Outputs6 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
     int32_t* cl = col.data_ptr<int32_t>();
     int64_t* pm = perm.data_ptr<int64_t>();
     bool* rm = removed.data_ptr<bool>();
-    int64_t* fi = L > 0 ? fill.data_ptr<int64_t>() : nullptr;
     if (!is_sorted) {
       // Keys (two buffers), then the pointer fallback flag.
       at::Tensor keys = at::empty({2 * n + 1}, i32);
@@ -500,7 +571,7 @@ Outputs6 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
                                      sizeof(int32_t), stream));
       if (n > 0) {
         csr_keys_kernel<index_t><<<graph_blocks(n), kGraphBlock, 0, stream>>>(
-            s, ss, d, ds, E, L, num_src, num_dst, k0, v0, rm, fi, st);
+            s, ss, d, ds, E, L, num_src, num_dst, k0, v0, rm, st);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
       cub::DoubleBuffer<uint32_t> kb(k0, k0 + n);
@@ -526,36 +597,36 @@ Outputs6 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     } else {
-      // ck [E + 1]: kept edges before i.
-      at::Tensor work = at::empty({E + 1}, i32);
+      // ck [E + 1] (kept edges before i, at row starts and E), the pointer
+      // fallback flag, then the tiles' kept counts and their prefix.
+      const int64_t tiles = ceil_div(E + 1, kGraphTile);
+      at::Tensor work = at::empty({E + 2 + 2 * tiles}, i32);
       int32_t* ck = work.data_ptr<int32_t>();
-      // Row marks (reversed; unmarked rows hold the largest int32), then
-      // their running minimum.
-      at::Tensor marks = at::empty({2 * (num_dst + 1)}, i32);
-      marks.narrow(0, 0, num_dst + 1)
-          .fill_(std::numeric_limits<int32_t>::max());
-      int32_t* mark = marks.data_ptr<int32_t>();
-      int32_t* smin = mark + (num_dst + 1);
-      exclusive_sum(thrust::make_transform_iterator(
-                        thrust::counting_iterator<int64_t>(0),
-                        KeepFlag<index_t>{s, ss, d, ds, E}),
-                    ck, E + 1, opt, stream);
-      csr_scatter_kernel<index_t>
-          <<<graph_blocks(E + 1), kGraphBlock, 0, stream>>>(
-              s, ss, d, ds, E, L, num_dst, ck, pm, cl, rm, fi, mark, num_src,
-              st);
+      int32_t* fallback = ck + E + 1;
+      int32_t* cnt = fallback + 1;
+      int32_t* base = cnt + tiles;
+      C10_CUDA_CHECK(cudaMemsetAsync(fallback, 0, sizeof(int32_t), stream));
+      const unsigned grid = static_cast<unsigned>(
+          std::min<int64_t>(tiles, kGraphMaxBlocks));
+      csr_keep_count_kernel<index_t><<<grid, kGraphBlock, 0, stream>>>(
+          s, ss, d, ds, E, tiles, cnt);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      inclusive_min(mark, smin, num_dst + 1, opt, stream);
-      csr_rowptr_loops_kernel<<<graph_blocks(num_dst + 1), kGraphBlock, 0,
-                                stream>>>(smin, ck, E, L, num_dst, rp, pm, cl,
-                                          rm);
+      exclusive_sum(cnt, base, tiles, opt, stream);
+      csr_sorted_scatter_kernel<index_t><<<grid, kGraphBlock, 0, stream>>>(
+          SortedScatter<index_t>{s, ss, d, ds, E, L, num_src, num_dst, ck, pm,
+                                 cl, rm, rp, fallback, st},
+          tiles, base);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      csr_fixup_kernel<<<graph_blocks(n), kGraphBlock, 0, stream>>>(
-          st, n, num_src, pm, cl);
+      csr_sorted_ptr_kernel<index_t>
+          <<<graph_blocks(num_dst + 1), kGraphBlock, 0, stream>>>(
+              fallback, st, d, ds, ck, E, L, num_dst, rp, pm, cl, rm);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      csr_sorted_fixup_kernel<<<graph_blocks(n), kGraphBlock, 0, stream>>>(
+          st, ck, E, n, num_src, pm, cl);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     }
   });
-  return {rowptr, col, perm, removed, fill, status};
+  return {rowptr, col, perm, removed, status};
 }
 
 Outputs4 csc_build_cuda(const at::Tensor& rowptr_, const at::Tensor& col_,

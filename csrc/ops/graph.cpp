@@ -48,7 +48,7 @@ TORCH_LIBRARY_FRAGMENT(pyg_fastattn, m) {
   m.def(
       "csr_build(Tensor src, Tensor dst, int num_src, int num_dst, "
       "bool add_self_loops, bool is_sorted) -> (Tensor rowptr, Tensor col, "
-      "Tensor csr_perm, Tensor removed, Tensor fill_index, Tensor status)");
+      "Tensor csr_perm, Tensor removed, Tensor status)");
   m.def(
       "csc_build(Tensor rowptr, Tensor col, int num_cols) -> (Tensor colptr, "
       "Tensor row, Tensor perm, Tensor inv)");

@@ -91,8 +91,11 @@ class PreparedGraph:
         csr_perm: [E'] int64, augmented position of each CSR position.
         removed: [E'] bool, in augmented order: input self-loops that GATConv
             removes (they are replaced by the added loops).
-        fill_index: [E] int64 or None: destination of each input edge for the
-            self-loop ``fill_value`` reduction (``L`` where it does not count).
+        fill_index: [E] int64 or None (no loops): destination of each input
+            edge for the self-loop ``fill_value`` reduction (``L`` where it
+            does not count: a removed self-loop or a destination >= L).
+            Computed from the CSR on first access and kept (not kept under
+            ``torch.compile``).
         num_src, num_dst, num_edges (E), num_loops (L): sizes.
         add_self_loops: whether loops were removed/added.
         layout: the input form ('edge_index', 'coo', 'csr', 'csc',
@@ -104,7 +107,7 @@ class PreparedGraph:
     _csc: Optional[CSC]
     csr_perm: Tensor
     removed: Tensor
-    fill_index: Optional[Tensor]
+    _fill_index: Optional[Tensor]
     num_src: int
     num_dst: int
     num_edges: int
@@ -112,6 +115,23 @@ class PreparedGraph:
     add_self_loops: bool
     layout: str = 'edge_index'
     index_dtype: torch.dtype = torch.int64
+
+    @property
+    def fill_index(self) -> Optional[Tensor]:
+        if self.num_loops == 0:
+            return None
+        if self._fill_index is not None:
+            return self._fill_index
+        # Each CSR position's row (the tail past rowptr[N]: N), scattered to
+        # its augmented position; the added loops' slots are cut off.
+        E, L = self.num_edges, self.num_loops
+        pos = torch.arange(E + L, device=self.rowptr.device)
+        row = torch.searchsorted(self.rowptr[1:].long(), pos, right=True)
+        fill = torch.empty_like(pos).scatter_(0, self.csr_perm,
+                                              row.clamp_(max=L))[:E]
+        if not _is_compiling():
+            self._fill_index = fill
+        return fill
 
     @property
     def csc(self) -> CSC:
@@ -161,7 +181,7 @@ class PreparedGraph:
         csc = None if self._csc is None else CSC(*(mv(t) for t in self._csc))
         return PreparedGraph(
             mv(self.rowptr), mv(self.col), csc,
-            mv(self.csr_perm), mv(self.removed), mv(self.fill_index),
+            mv(self.csr_perm), mv(self.removed), mv(self._fill_index),
             self.num_src, self.num_dst, self.num_edges, self.num_loops,
             self.add_self_loops, self.layout, self.index_dtype)
 
@@ -379,7 +399,7 @@ def _csr_sorted(src: Tensor, dst: Tensor, num_src: int, num_dst: int, L: int,
         perm = torch.arange(E, device=device)
         removed = torch.zeros(E, dtype=torch.bool, device=device)
         return (dst_ptr.to(idx, copy=True), src.to(idx, copy=True), perm,
-                removed, src.new_empty((0, ), dtype=torch.int64))
+                removed)
     is_loop = src == dst
     keep = ~is_loop
     ck = torch.zeros(E + 1, dtype=torch.int64, device=device)
@@ -404,8 +424,7 @@ def _csr_sorted(src: Tensor, dst: Tensor, num_src: int, num_dst: int, L: int,
     loop = torch.arange(L, device=device)
     col = torch.cat([src, loop])[perm].to(idx)
     removed = torch.cat([is_loop, is_loop.new_zeros(L)])
-    fill_index = dst.masked_fill(is_loop | (dst >= L), L)
-    return rowptr, col, perm, removed, fill_index
+    return rowptr, col, perm, removed
 
 
 def _csr_sort(src: Tensor, dst: Tensor, num_src: int, num_dst: int, L: int,
@@ -422,16 +441,13 @@ def _csr_sort(src: Tensor, dst: Tensor, num_src: int, num_dst: int, L: int,
         src_a = torch.cat([src, loop])
         removed = torch.cat([is_loop, is_loop.new_zeros(L)])
         key = torch.cat([dst, loop]).masked_fill_(removed, num_dst).to(kdt)
-        # Input edges feeding the loop fill value: kept, and dst < L.
-        fill_index = dst.masked_fill(is_loop | (dst >= L), L)
     else:
         src_a, key = src, dst.to(kdt)
-        fill_index = src.new_empty((0, ))
         removed = torch.zeros(E, dtype=torch.bool, device=device)
     key_sorted, perm = torch.sort(key, stable=True)
     rowptr = _ptr_of_sorted(key_sorted, num_dst, idx)
     col = src_a[perm].to(idx)
-    return rowptr, col, perm, removed, fill_index
+    return rowptr, col, perm, removed
 
 
 def _build_csr_torch(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
@@ -465,8 +481,8 @@ def _csc_build_native(rowptr, col, num_cols):
 def _csr_of(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
             add_self_loops: bool, is_sorted: bool, dst_ptr: Optional[Tensor],
             mode: str = 'off'
-            ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(rowptr, col, csr_perm, removed, fill_index (empty without loops)) of
+            ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(rowptr, col, csr_perm, removed) of
     the augmented edge list. ``is_sorted``: ``dst`` is non-decreasing (no
     sort); ``dst_ptr``: its [num_dst + 1] pointer when known (the native
     build finds the row starts itself). The input is validated per ``mode``
@@ -502,7 +518,7 @@ def _csc_of(rowptr: Tensor, col: Tensor, num_src: int
 def _build_csr(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
                add_self_loops: bool, is_sorted: bool,
                dst_ptr: Optional[Tensor]
-               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+               ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`_csr_of` as one op."""
     return _csr_of(src, dst, num_src, num_dst, add_self_loops, is_sorted,
                    dst_ptr)
@@ -515,7 +531,7 @@ def _(src, dst, num_src, num_dst, add_self_loops, is_sorted, dst_ptr):
     idx = _index_dtype(E + L, num_src, num_dst)
     new = lambda n, dt: src.new_empty((n, ), dtype=dt)  # noqa: E731
     return (new(num_dst + 1, idx), new(E + L, idx), new(E + L, torch.int64),
-            new(E + L, torch.bool), new(E if L > 0 else 0, torch.int64))
+            new(E + L, torch.bool))
 
 
 @torch.library.custom_op('pyg_fastattn::build_csc', mutates_args=())
@@ -546,11 +562,11 @@ def _build(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
     else:
         parts = _csr_of(src, dst, num_src, num_dst, add_self_loops,
                         is_sorted, dst_ptr, mode)
-    (rowptr, col, perm, removed, fill_index) = parts
+    (rowptr, col, perm, removed) = parts
     L = min(num_src, num_dst) if add_self_loops else 0
-    return PreparedGraph(rowptr, col, csc, perm, removed,
-                         fill_index if L > 0 else None, num_src, num_dst,
-                         src.numel(), L, add_self_loops, layout, index_dtype)
+    return PreparedGraph(rowptr, col, csc, perm, removed, None, num_src,
+                         num_dst, src.numel(), L, add_self_loops, layout,
+                         index_dtype)
 
 
 def _edge_index_meta(edge_index, num_src, num_dst):
