@@ -35,6 +35,10 @@
 # cudatests run of the same selection (e.g. PYG_FASTATTN_SPLIT_EDGES=16).
 # BENCH_ONLY / BENCH_PROVIDERS: --only / --providers of bench_gat.py;
 # BENCH_XGRAD=1: its --x-grad (layer fwd+bwd also differentiates x).
+# BENCH_ENV / PREPARE_ENV / PROFILE_ENV: an env assignment (e.g. an A/B
+# switch) for a second run of the gat / prepare / profile step in the same
+# call; the second gat and prepare runs write to bench_out/ab (in the
+# tarball; their tables are printed in the step's log).
 #
 # Time: the whole run stays within GPU_CHECK_BUDGET seconds (default 530, so
 # one device call of <= ~9 minutes suffices). Each step runs under `timeout`
@@ -182,8 +186,9 @@ collect() {
                 echo
             }
         done
-        for f in "$BENCH/ops_$DEV.md" "$BENCH"/*_"$DEV".md "$BENCH"/cpu/*_cpu.md; do
+        for f in "$BENCH/ops_$DEV.md" "$BENCH"/*_"$DEV".md "$BENCH"/ab/*_"$DEV".md "$BENCH"/cpu/*_cpu.md; do
             [ -f "$f" ] && {
+                case $f in */ab/*) echo "===== second run (${BENCH_ENV:-} ${PREPARE_ENV:-}): $(basename "$f") =====" ;; esac
                 cat "$f"
                 echo
             }
@@ -345,9 +350,14 @@ fi
 if [ $want_gat -eq 1 ]; then
     # BENCH_CONVS: layer families, one bench_gat.py run each (share of the
     # step's time); gat by default
-    run_step gat "${T_GAT:-240}" "convs=(${BENCH_CONVS:-gat}); share=\$(( STEP_LIMIT / \${#convs[@]} )); rc=0
+    # BENCH_ENV: an env assignment for a second run of each (A/B in one
+    # call; its outputs in bench_out/ab)
+    runs=$([ -n "${BENCH_ENV:-}" ] && echo 2 || echo 1)
+    run_step gat "${T_GAT:-240}" "convs=(${BENCH_CONVS:-gat}); share=\$(( STEP_LIMIT / \${#convs[@]} / $runs )); rc=0
+bench() { python3 benchmarks/bench_gat.py --conv \$c --device $DEV --cuda-graph --budget-s \$(( share > 120 ? share - 60 : share / 2 )) $quick ${BENCH_ONLY:+--only '$BENCH_ONLY'} ${BENCH_PROVIDERS:+--providers '$BENCH_PROVIDERS'} ${BENCH_XGRAD:+--x-grad} \"\$@\"; }
 for c in \${convs[@]}; do
-    python3 benchmarks/bench_gat.py --conv \$c --device $DEV --cuda-graph --out '$BENCH' --budget-s \$(( share > 120 ? share - 60 : share / 2 )) $quick ${BENCH_ONLY:+--only '$BENCH_ONLY'} ${BENCH_PROVIDERS:+--providers '$BENCH_PROVIDERS'} ${BENCH_XGRAD:+--x-grad} || rc=1
+    bench --out '$BENCH' || rc=1
+    ${BENCH_ENV:+echo '== again with $BENCH_ENV'; (export $BENCH_ENV; bench --out '$BENCH/ab') || rc=1}
 done
 exit \$rc"
 fi
@@ -365,7 +375,12 @@ exit \$rc"
 fi
 
 if [ $want_prepare -eq 1 ]; then
-    run_step prepare "${T_PREPARE:-120}" "python3 benchmarks/bench_prepare.py --device $DEV --sizes 1M:20M --out '$BENCH' $quick ${PREPARE_ARGS:-}"
+    # PREPARE_ENV: an env assignment for a second run (outputs in bench_out/ab)
+    prep="python3 benchmarks/bench_prepare.py --device $DEV --sizes 1M:20M $quick ${PREPARE_ARGS:-}"
+    run_step prepare "${T_PREPARE:-120}" "rc=0
+$prep --out '$BENCH' || rc=1
+${PREPARE_ENV:+echo '== again with $PREPARE_ENV'; (export $PREPARE_ENV; $prep --out '$BENCH/ab') || rc=1}
+exit \$rc"
 fi
 
 if [ $want_ddp -eq 1 ]; then
