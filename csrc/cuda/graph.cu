@@ -237,22 +237,6 @@ __device__ __forceinline__ bool keep_edge(const index_t* __restrict__ src,
   return i < E && src[i * ss] != dst[i * ds];
 }
 
-// Sorted CSR with loops: rowptr[x] = r and, for 1 <= x <= L, the added loop
-// (x - 1, x - 1) in slot r - 1 (the last of row x - 1; clamped).
-__device__ __forceinline__ void row_start(int64_t x, int64_t r, int64_t E,
-                                          int64_t L, int32_t* __restrict__ rowptr,
-                                          int64_t* __restrict__ perm,
-                                          int32_t* __restrict__ col,
-                                          bool* __restrict__ removed) {
-  rowptr[x] = static_cast<int32_t>(r);
-  if (x >= 1 && x <= L) {
-    const int64_t q = clamp_to(r - 1, 0, E + L - 1);
-    perm[q] = E + x - 1;
-    col[q] = static_cast<int32_t>(x - 1);
-    removed[E + x - 1] = false;
-  }
-}
-
 // Sorted CSR with loops: csr_sorted_scatter_kernel calls this for every i
 // in [0, E] with before = kept edges before i. An input edge i < E gets
 // its CSR position p (row d: kept edges in input order, then the loop
@@ -308,8 +292,16 @@ struct SortedScatter {
       *fallback = 1;
       return;
     }
-    for (int64_t x = a; x <= h; ++x)
-      row_start(x, before + (x < L ? x : L), E, L, rowptr, perm, col, removed);
+    for (int64_t x = a; x <= h; ++x) {
+      const int64_t r = before + (x < L ? x : L);
+      rowptr[x] = static_cast<int32_t>(r);
+      if (x >= 1 && x <= L) {
+        const int64_t q = clamp_to(r - 1, 0, n - 1);
+        perm[q] = E + x - 1;
+        col[q] = static_cast<int32_t>(x - 1);
+        removed[E + x - 1] = false;
+      }
+    }
   }
 };
 
@@ -386,14 +378,21 @@ __global__ void csr_sorted_ptr_kernel(const int32_t* __restrict__ fallback,
                                       int32_t* __restrict__ col,
                                       bool* __restrict__ removed) {
   if (*fallback == 0 && *status == 0) return;
+  const int64_t n = E + L;
   const int64_t kept = ck[E];
   const bool unsorted = (*status & kGraphUnsorted) != 0;
   PFA_GRID_STRIDE(x, num_dst + 1) {
     const int64_t k =
         unsorted ? kept * x / (num_dst > 0 ? num_dst : 1)
                  : static_cast<int64_t>(ck[lower_bound(dst, ds, E, x)]);
-    row_start(x, clamp_to(k, 0, kept) + (x < L ? x : L), E, L, rowptr, perm,
-              col, removed);
+    const int64_t r = clamp_to(k, 0, kept) + (x < L ? x : L);
+    rowptr[x] = static_cast<int32_t>(r);
+    if (x >= 1 && x <= L) {
+      const int64_t p = clamp_to(r - 1, 0, n - 1);
+      perm[p] = E + x - 1;
+      col[p] = static_cast<int32_t>(x - 1);
+      removed[E + x - 1] = false;
+    }
   }
 }
 
