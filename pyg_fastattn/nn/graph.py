@@ -126,9 +126,8 @@ class PreparedGraph:
         # its augmented position; the added loops' slots are cut off.
         E, L = self.num_edges, self.num_loops
         pos = torch.arange(E + L, device=self.rowptr.device)
-        row = torch.searchsorted(self.rowptr[1:].long(), pos, right=True)
-        fill = torch.empty_like(pos).scatter_(0, self.csr_perm,
-                                              row.clamp_(max=L))[:E]
+        fill = torch.empty_like(pos).scatter_(
+            0, self.csr_perm, self.dst_of(pos).clamp_(max=L))[:E]
         if not _is_compiling():
             self._fill_index = fill
         return fill
