@@ -126,6 +126,17 @@ def _build_dir(root: Path, srcs: List[str], with_cuda: bool, flags) -> Path:
     return Path(base) / f'torch{torch.__version__}-{tag}-{h.hexdigest()[:12]}'
 
 
+def _load_built(so: Path) -> bool:
+    """Load a library built earlier into its hashed folder (the name covers
+    the sources, flags and toolchain), without running ninja; False if it
+    does not load (a half-written file), and then the build runs."""
+    try:
+        torch.ops.load_library(str(so))
+        return True
+    except OSError:
+        return False
+
+
 def _compile_and_load(root: Path, with_cuda: bool) -> str:
     from torch.utils.cpp_extension import load
     srcs = _sources(root, with_cuda)
@@ -142,6 +153,8 @@ def _compile_and_load(root: Path, with_cuda: bool) -> str:
             # cpp_extension would wait for it forever).
             (bdir / 'lock').unlink(missing_ok=True)
             so = bdir / f'{NAME}.so'
+            if so.exists() and _load_built(so):
+                return str(bdir)
             for attempt in range(2):
                 if not so.exists():
                     print(

@@ -51,7 +51,9 @@
 #   summary.txt       step table, environment, benchmark tables, failing tails
 #   gpu_check.tar.gz  every log and every benchmark output (json/csv/md/png)
 #   build.log, tests.log, bench.log, profile.log   (tails of) the step logs
-#   ops_cuda.md, gat_cuda.md, gat_cuda.png
+#   ops_cuda.md, gat_cuda.md (gat_cuda.png is in the tarball)
+#   prebuilt.tgz      the built library (carry it as .data/prebuilt.tgz: a
+#                     later call with the same sources skips the build)
 # Data: if ./.data/Planetoid exists (a copy of shared/data carried along),
 # PYG_FASTATTN_DATA points there. Other knobs: OUT, PYG_FASTATTN_CACHE
 # (default /tmp/pyg_fastattn_cache), GPU_CHECK_WORK (scratch folder),
@@ -207,7 +209,7 @@ collect() {
     tail_into "$OUT/tests.log" 400 "$LOGS/tests_cuda.log" "$LOGS/tests.log" "$LOGS"/tests_*.part
     tail_into "$OUT/bench.log" 300 "$LOGS/ops.log" "$LOGS/gat.log" "$LOGS/prepare.log" "$LOGS/ddp.log" "$LOGS/cpubench.log"
     tail_into "$OUT/profile.log" 600 "$LOGS/profile.log"
-    for f in "$BENCH"/*_"$DEV".md "$BENCH/gat_$DEV.png"; do
+    for f in "$BENCH"/*_"$DEV".md; do
         [ -f "$f" ] && cp "$f" "$OUT/"
     done
     [ -f "$OUT/build.log" ] && [ ! -s "$OUT/build.log" ] && rm -f "$OUT/build.log"
@@ -287,6 +289,13 @@ df -h /tmp | tail -1
 echo "PYG_FASTATTN_DATA=${PYG_FASTATTN_DATA:-unset}; PYG_FASTATTN_CACHE=$PYG_FASTATTN_CACHE"
 '
 
+# A library built by an earlier call (prebuilt.tgz from its $OUT, carried as
+# .data/prebuilt.tgz) goes into the cache: its folder name is the hash of the
+# sources, flags and toolchain, so it loads only if nothing changed.
+if [ -f "$ROOT/.data/prebuilt.tgz" ]; then
+    mkdir -p "$PYG_FASTATTN_CACHE" && tar -xzf "$ROOT/.data/prebuilt.tgz" -C "$PYG_FASTATTN_CACHE"
+fi
+
 if [ $want_build -eq 1 ]; then
     run_step build "${T_BUILD:-360}" '
 PYG_FASTATTN_VERBOSE=1 python3 -m pyg_fastattn.build || exit $?
@@ -305,6 +314,8 @@ if os.path.exists(log):
     for r in sorted(rows, key=lambda r: int(r[0]) - int(r[1])):
         print(f"{(int(r[1]) - int(r[0])) / 1000:8.1f} s  {r[3]}")
 EOF
+d=$(python3 -c "from pyg_fastattn._build import info; print(info()[\"build_dir\"])")
+tar -czf "'"$OUT"'/prebuilt.tgz" -C "$(dirname "$d")" "$(basename "$d")/pyg_fastattn_C.so" && ls -l "'"$OUT"'/prebuilt.tgz"
 '
 fi
 
