@@ -110,6 +110,33 @@ inline SplitPlan split_plan(int64_t split = kSplitEdges,
   return p;
 }
 
+// The longest CSR row and CSC column of the graph that the current fused op
+// runs on, when its caller knows them (-1: unknown). A fused op sets them
+// (LengthHintGuard) around its inner ops; a CUDA split path is skipped (its
+// mark, partial and combine launches: host time on small graphs) when no
+// row is longer than its threshold, which changes no result, since the
+// split path takes only such rows.
+struct LengthHint {
+  int64_t rows = -1;
+  int64_t cols = -1;
+};
+inline LengthHint& length_hint() {
+  thread_local LengthHint h;
+  return h;
+}
+class LengthHintGuard {
+ public:
+  LengthHintGuard(int64_t rows, int64_t cols) : prev_(length_hint()) {
+    length_hint() = LengthHint{rows, cols};
+  }
+  ~LengthHintGuard() { length_hint() = prev_; }
+  LengthHintGuard(const LengthHintGuard&) = delete;
+  LengthHintGuard& operator=(const LengthHintGuard&) = delete;
+
+ private:
+  LengthHint prev_;
+};
+
 // Accumulation type: float for half/bfloat16/float, double for double.
 inline at::ScalarType opmath_type(at::ScalarType t) {
   return t == at::kDouble ? at::kDouble : at::kFloat;

@@ -199,7 +199,8 @@ def gat_attention(rowptr: Tensor, col: Tensor, colptr: Tensor, csc_row: Tensor,
                   att_src: Tensor, h_dst: Optional[Tensor], att_dst: Tensor,
                   a_edge: Optional[Tensor], mask: Optional[Tensor],
                   bias: Optional[Tensor], negative_slope: float,
-                  dst_is_src: bool):
+                  dst_is_src: bool, max_row_len: int = -1,
+                  max_col_len: int = -1):
     _, H, C = att_src.shape
     h = (x @ weight.t() if weight is not None else h_src).reshape(-1, H, C)
     a_src = (h * att_src).sum(-1)
@@ -224,7 +225,8 @@ def gat_attention_backward(grad_out: Tensor, rowptr: Tensor, col: Tensor,
                            a_edge: Optional[Tensor], mask: Optional[Tensor],
                            bias: Optional[Tensor], out: Tensor, lse: Tensor,
                            negative_slope: float, dst_is_src: bool,
-                           output_mask) -> list:
+                           output_mask, max_row_len: int = -1,
+                           max_col_len: int = -1) -> list:
     _, H, C = att_src.shape
     h = h.reshape(-1, H, C)
     has_dst = a_dst.numel() > 0

@@ -668,7 +668,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
       const dim3 grid = row_grid(N, L.n_tiles);
       a.coop = coop_edges(N, L.n_tiles);
       at::Tensor win, part;
-      a.sp = make_split(a.rowptr, N, a.E, values.options(), win);
+      a.sp = make_split(a.rowptr, N, a.E, values.options(), win, split_plan(),
+                        length_hint().rows);
       if (a.sp.nwin > 0) {
         part = at::empty({2 * a.sp.nwin, H * C + 2 * H}, lse.options());
         a.part_acc = part.data_ptr<A>();
@@ -770,7 +771,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
       const dim3 grid = row_grid(Ns, L.n_tiles);
       a.coop = coop_edges(Ns, L.n_tiles);
       at::Tensor win, part;
-      a.sp = make_split(a.colptr, Ns, E, values.options(), win);
+      a.sp = make_split(a.colptr, Ns, E, values.options(), win, split_plan(),
+                        length_hint().cols);
       const dim3 pgrid(static_cast<unsigned>(std::max<int64_t>(a.sp.nwin, 1)),
                        grid.y);
       if (a.sp.nwin > 0) {

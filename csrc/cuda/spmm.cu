@@ -112,8 +112,8 @@ __global__ void __launch_bounds__(kBlock)
 template <typename scalar_t, typename index_t>
 void launch_split_partials(SpmmArgs<scalar_t, index_t>& a, const TileLayout& L,
                            bool vec, int64_t D, const at::TensorOptions& opts,
-                           at::Tensor& win, at::Tensor& part) {
-  a.sp = make_split(a.rowptr, a.N, a.E, opts, win);
+                           at::Tensor& win, at::Tensor& part, int64_t max_len) {
+  a.sp = make_split(a.rowptr, a.N, a.E, opts, win, split_plan(), max_len);
   if (a.sp.nwin == 0) return;
   part = at::empty({2 * a.sp.nwin, D},
                    opts.dtype(opmath_type(c10::CppTypeToScalarType<scalar_t>::value)));
@@ -138,7 +138,8 @@ void launch_split_combine(const SpmmArgs<scalar_t, index_t>& a, int64_t D) {
 // not matter and the row is treated as one head of H * C channels.
 template <typename scalar_t, typename index_t>
 void launch_spmm(SpmmArgs<scalar_t, index_t> a, int64_t H, int64_t C,
-                 bool weighted, const at::TensorOptions& opts) {
+                 bool weighted, const at::TensorOptions& opts,
+                 int64_t max_len) {
   if (!weighted) {
     C = H * C;
     H = 1;
@@ -151,7 +152,7 @@ void launch_spmm(SpmmArgs<scalar_t, index_t> a, int64_t H, int64_t C,
   a.coop = coop_edges(a.N, L.n_tiles);
   const int64_t D = H * C;
   at::Tensor win, part;
-  launch_split_partials(a, L, vec, D, opts, win, part);
+  launch_split_partials(a, L, vec, D, opts, win, part, max_len);
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
     constexpr int V = decltype(v)::value, KHQ = decltype(k)::value;
@@ -349,7 +350,7 @@ inline int64_t seg_coop_edges(int64_t blocks, int G) {
 // (window partials, combined in window order) around the narrow launch.
 template <typename scalar_t, typename index_t>
 bool launch_segment_sum_narrow(SpmmArgs<scalar_t, index_t> a, int64_t H,
-                               const at::TensorOptions& opts) {
+                               const at::TensorOptions& opts, int64_t max_len) {
   constexpr int S = static_cast<int>(sizeof(scalar_t));
   if (H < 1 || H * S > kSegMaxBytes) return false;
   constexpr int VW = vec_width<scalar_t>();
@@ -359,7 +360,7 @@ bool launch_segment_sum_narrow(SpmmArgs<scalar_t, index_t> a, int64_t H,
   a.coop = seg_coop_edges(grid.x, 1 << g_log);
   at::Tensor win, part;
   launch_split_partials(a, make_layout(1, H, vec ? VW : 1, /*channel_tiles=*/true),
-                        vec, H, opts, win, part);
+                        vec, H, opts, win, part, max_len);
   auto stream = at::cuda::getCurrentCUDAStream();
   auto go = [&](auto v, auto nu) {
     constexpr int V = decltype(v)::value, NU = decltype(nu)::value;
@@ -416,7 +417,7 @@ at::Tensor spmm_cuda(const at::Tensor& rowptr_in, const at::Tensor& col_in,
       a.E = col.numel();
       a.Ns = values.size(0);
       a.Ew = weight.defined() ? weight.size(0) : 0;
-      launch_spmm(a, H, C, weight.defined(), values.options());
+      launch_spmm(a, H, C, weight.defined(), values.options(), -1);
     });
   });
   return out;
@@ -448,8 +449,10 @@ at::Tensor segment_sum_cuda(const at::Tensor& rowptr_in,
       a.E = perm.defined() ? perm.numel() : src.size(0);
       a.Ns = src.size(0);
       a.Ew = 0;
-      if (!launch_segment_sum_narrow(a, H, src.options()))
-        launch_spmm(a, 1, H, false, src.options());
+      // the rows of segment_sum are a CSR's (a fused op's hint)
+      const int64_t max_len = length_hint().rows;
+      if (!launch_segment_sum_narrow(a, H, src.options(), max_len))
+        launch_spmm(a, 1, H, false, src.options(), max_len);
     });
   });
   return out;

@@ -488,9 +488,11 @@ __device__ __forceinline__ bool window_owner(const SplitArgs& sp,
 template <typename index_t>
 inline SplitArgs make_split(const index_t* rowptr, int64_t N, int64_t E,
                             const at::TensorOptions& opts, at::Tensor& win,
-                            const SplitPlan& plan = split_plan()) {
+                            const SplitPlan& plan = split_plan(),
+                            int64_t max_len = -1) {
   SplitArgs sp;
   if (N <= 0 || E <= plan.split) return sp;
+  if (max_len >= 0 && max_len <= plan.split) return sp;  // no long row
   sp.split = plan.split;
   sp.chunk = plan.chunk;
   sp.nwin = ceil_div(E, sp.chunk);

@@ -161,8 +161,10 @@ gat_attention(const at::Tensor& rowptr, const at::Tensor& col,
               const OptTensor& h_src, const at::Tensor& att_src,
               const OptTensor& h_dst, const at::Tensor& att_dst,
               const OptTensor& a_edge, const OptTensor& mask,
-              const OptTensor& bias, double negative_slope, bool dst_is_src) {
+              const OptTensor& bias, double negative_slope, bool dst_is_src,
+              int64_t max_row_len, int64_t max_col_len) {
   check_gat(x, weight, h_src, att_src, h_dst, att_dst, dst_is_src);
+  const LengthHintGuard hint(max_row_len, max_col_len);
   const int64_t H = att_src.size(1), C = att_src.size(2), HC = H * C;
   const at::Tensor h = weight.has_value()
                            ? x->mm(weight->t()).view({-1, H, C})
@@ -202,7 +204,9 @@ std::vector<at::Tensor> gat_attention_backward(
     const OptTensor& h_dst, const at::Tensor& att_dst, const at::Tensor& a_src,
     const at::Tensor& a_dst_, const OptTensor& a_edge, const OptTensor& mask,
     const OptTensor& bias, const at::Tensor& out, const at::Tensor& lse,
-    double negative_slope, bool dst_is_src, std::array<bool, 8> output_mask) {
+    double negative_slope, bool dst_is_src, std::array<bool, 8> output_mask,
+    int64_t max_row_len, int64_t max_col_len) {
+  const LengthHintGuard hint(max_row_len, max_col_len);
   const int64_t H = att_src.size(1), C = att_src.size(2), HC = H * C;
   const int64_t Ns = h.size(0);
   const bool need_x = output_mask[0], need_w = output_mask[1],
@@ -285,7 +289,8 @@ Outputs5 call_gat_attention(
     const at::Tensor& csc_inv, const OptTensor& x, const OptTensor& weight,
     const OptTensor& h_src, const at::Tensor& att_src, const OptTensor& h_dst,
     const at::Tensor& att_dst, const OptTensor& a_edge, const OptTensor& mask,
-    const OptTensor& bias, double slope, bool dst_is_src) {
+    const OptTensor& bias, double slope, bool dst_is_src, int64_t max_row_len,
+    int64_t max_col_len) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("pyg_fastattn::gat_attention", "")
@@ -295,15 +300,17 @@ Outputs5 call_gat_attention(
                           const OptTensor&, const OptTensor&, const OptTensor&,
                           const at::Tensor&, const OptTensor&,
                           const at::Tensor&, const OptTensor&,
-                          const OptTensor&, const OptTensor&, double, bool)>();
+                          const OptTensor&, const OptTensor&, double, bool,
+                          int64_t, int64_t)>();
   return op.call(rowptr, col, colptr, csc_row, csc_perm, csc_inv, x, weight,
                  h_src, att_src, h_dst, att_dst, a_edge, mask, bias, slope,
-                 dst_is_src);
+                 dst_is_src, max_row_len, max_col_len);
 }
 
 std::vector<at::Tensor> call_gat_attention_backward(
     const at::Tensor& grad_out, const std::vector<at::Tensor>& s, double slope,
-    bool dst_is_src, std::array<bool, 8> output_mask) {
+    bool dst_is_src, std::array<bool, 8> output_mask, int64_t max_row_len,
+    int64_t max_col_len) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("pyg_fastattn::gat_attention_backward", "")
@@ -311,13 +318,14 @@ std::vector<at::Tensor> call_gat_attention_backward(
   auto o = [&](size_t i) { return s[i].defined() ? OptTensor(s[i]) : c10::nullopt; };
   return op.call(grad_out, s[0], s[1], s[2], s[3], s[4], s[5], o(6), o(7),
                  s[8], s[9], o(10), s[11], s[12], s[13], o(14), o(15), o(16),
-                 s[17], s[18], slope, dst_is_src, output_mask);
+                 s[17], s[18], slope, dst_is_src, output_mask, max_row_len,
+                 max_col_len);
 }
 
 // The differentiable inputs (x, weight, h_src, att_src, h_dst, att_dst,
 // a_edge, bias) by their position among gat_attention's arguments.
 constexpr std::array<int, 8> kGradArgs = {6, 7, 8, 9, 10, 11, 12, 14};
-constexpr int kNumArgs = 17;
+constexpr int kNumArgs = 19;
 
 class GATAttentionFunction
     : public torch::autograd::Function<GATAttentionFunction> {
@@ -330,13 +338,14 @@ class GATAttentionFunction
       const OptTensor& h_src, const at::Tensor& att_src,
       const OptTensor& h_dst, const at::Tensor& att_dst,
       const OptTensor& a_edge, const OptTensor& mask, const OptTensor& bias,
-      double slope, bool dst_is_src) {
+      double slope, bool dst_is_src, int64_t max_row_len, int64_t max_col_len) {
     // needs_input_grad counts only the tensors that were passed: the
     // position of each differentiable argument among them (-1: None).
     const std::array<bool, kNumArgs> given = {
         true, true, true, true, true, true, x.has_value(),
         weight.has_value(), h_src.has_value(), true, h_dst.has_value(), true,
-        a_edge.has_value(), mask.has_value(), bias.has_value(), false, false};
+        a_edge.has_value(), mask.has_value(), bias.has_value(), false, false,
+        false, false};
     std::vector<int64_t> edge(8, -1);
     for (size_t k = 0; k < kGradArgs.size(); ++k) {
       if (!given[kGradArgs[k]]) continue;
@@ -349,7 +358,8 @@ class GATAttentionFunction
       at::AutoDispatchBelowADInplaceOrView guard;
       r = call_gat_attention(rowptr, col, colptr, csc_row, csc_perm, csc_inv,
                              x, weight, h_src, att_src, h_dst, att_dst, a_edge,
-                             mask, bias, slope, dst_is_src);
+                             mask, bias, slope, dst_is_src, max_row_len,
+                             max_col_len);
     }
     auto& [out, lse, h, a_src, a_dst] = r;
     auto val = [](const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); };
@@ -359,6 +369,8 @@ class GATAttentionFunction
          a_src, a_dst, val(a_edge), val(mask), val(bias), out, lse});
     ctx->saved_data["slope"] = slope;
     ctx->saved_data["dst_is_src"] = dst_is_src;
+    ctx->saved_data["max_row_len"] = max_row_len;
+    ctx->saved_data["max_col_len"] = max_col_len;
     ctx->saved_data["edge"] = edge;
     ctx->mark_non_differentiable({lse, h, a_src, a_dst});
     ctx->set_materialize_grads(false);
@@ -377,7 +389,9 @@ class GATAttentionFunction
     const auto g = call_gat_attention_backward(
         grads[0], ctx->get_saved_variables(),
         ctx->saved_data["slope"].toDouble(),
-        ctx->saved_data["dst_is_src"].toBool(), output_mask);
+        ctx->saved_data["dst_is_src"].toBool(), output_mask,
+        ctx->saved_data["max_row_len"].toInt(),
+        ctx->saved_data["max_col_len"].toInt());
     for (size_t k = 0; k < output_mask.size(); ++k)
       if (output_mask[k] && g[k].sym_numel() != 0) res[kGradArgs[k]] = g[k];
     return res;
@@ -390,11 +404,13 @@ Outputs5 gat_attention_autograd(
     const at::Tensor& csc_inv, const OptTensor& x, const OptTensor& weight,
     const OptTensor& h_src, const at::Tensor& att_src, const OptTensor& h_dst,
     const at::Tensor& att_dst, const OptTensor& a_edge, const OptTensor& mask,
-    const OptTensor& bias, double slope, bool dst_is_src) {
+    const OptTensor& bias, double slope, bool dst_is_src, int64_t max_row_len,
+    int64_t max_col_len) {
   auto r = GATAttentionFunction::apply(rowptr, col, colptr, csc_row, csc_perm,
                                        csc_inv, x, weight, h_src, att_src,
                                        h_dst, att_dst, a_edge, mask, bias,
-                                       slope, dst_is_src);
+                                       slope, dst_is_src, max_row_len,
+                                       max_col_len);
   return {r[0], r[1], r[2], r[3], r[4]};
 }
 

@@ -1,7 +1,7 @@
 """``gat_attention``: GAT's attention layer core as one op (what
 ``FastGATConv`` calls). Kernels: ``csrc/ops/gat_attention.cpp`` (CPU and
 CUDA) or :func:`pyg_fastattn.reference.gat_attention`."""
-from typing import Optional
+from typing import Optional, Tuple
 
 from torch import Tensor
 
@@ -16,13 +16,16 @@ from .csr import CSC, maybe_csc
 # Returns (out [N, H, C], lse [N, H] float32/64, h_src [Ns, H, C] when
 # computed from x (else empty), a_src [Ns, H], a_dst [N, H] (or empty)); the
 # last three are saved for the backward. colptr/csc_row/csc_perm/csc_inv: the
-# transpose (csr_to_csc) that the backward walks.
+# transpose (csr_to_csc) that the backward walks. max_row_len / max_col_len:
+# the longest CSR row / CSC column when known, else -1 (a hint: CUDA skips
+# its long-row split path when no row needs it; results do not change).
 _lib.define(
     'gat_attention(Tensor rowptr, Tensor col, Tensor colptr, Tensor csc_row, '
     'Tensor csc_perm, Tensor csc_inv, Tensor? x, Tensor? weight, '
     'Tensor? h_src, Tensor att_src, Tensor? h_dst, Tensor att_dst, '
     'Tensor? a_edge, Tensor? mask, Tensor? bias, float negative_slope, '
-    'bool dst_is_src) -> (Tensor, Tensor, Tensor, Tensor, Tensor)')
+    'bool dst_is_src, int max_row_len, int max_col_len) '
+    '-> (Tensor, Tensor, Tensor, Tensor, Tensor)')
 # Gradients of (x, weight, h_src, att_src, h_dst, att_dst, a_edge, bias), each
 # empty where output_mask is false or the input was None. ``h`` is h_src
 # (given or computed), ``a_edge``'s gradient is in CSR order.
@@ -32,12 +35,13 @@ _lib.define(
     'Tensor? x, Tensor? weight, Tensor h, Tensor att_src, Tensor? h_dst, '
     'Tensor att_dst, Tensor a_src, Tensor a_dst, Tensor? a_edge, '
     'Tensor? mask, Tensor? bias, Tensor out, Tensor lse, '
-    'float negative_slope, bool dst_is_src, bool[8] output_mask) -> Tensor[]')
+    'float negative_slope, bool dst_is_src, bool[8] output_mask, '
+    'int max_row_len, int max_col_len) -> Tensor[]')
 
 
 def _fake(rowptr, col, colptr, csc_row, csc_perm, csc_inv, x, weight, h_src,
           att_src, h_dst, att_dst, a_edge, mask, bias, negative_slope,
-          dst_is_src):
+          dst_is_src, max_row_len, max_col_len):
     _, H, C = att_src.shape
     src = x if weight is not None else h_src
     Ns, N = src.shape[0], rowptr.shape[0] - 1
@@ -53,7 +57,7 @@ def _fake(rowptr, col, colptr, csc_row, csc_perm, csc_inv, x, weight, h_src,
 def _fake_backward(grad_out, rowptr, col, colptr, csc_row, csc_perm, csc_inv,
                    x, weight, h, att_src, h_dst, att_dst, a_src, a_dst, a_edge,
                    mask, bias, out, lse, negative_slope, dst_is_src,
-                   output_mask):
+                   output_mask, max_row_len, max_col_len):
     likes = (x, weight, None if weight is not None else h, att_src, h_dst,
              att_dst if (dst_is_src or h_dst is not None) else None, a_edge,
              bias)
@@ -63,30 +67,32 @@ def _fake_backward(grad_out, rowptr, col, colptr, csc_row, csc_perm, csc_inv,
 
 def _setup_context(ctx, inputs, output):
     (rowptr, col, colptr, csc_row, csc_perm, csc_inv, x, weight, h_src,
-     att_src, h_dst, att_dst, a_edge, mask, bias, slope, dst_is_src) = inputs
+     att_src, h_dst, att_dst, a_edge, mask, bias, slope, dst_is_src,
+     *lengths) = inputs
     out, lse, h, a_src, a_dst = output
     ctx.save_for_backward(rowptr, col, colptr, csc_row, csc_perm, csc_inv, x,
                           weight, h if weight is not None else h_src, att_src,
                           h_dst, att_dst, a_src, a_dst, a_edge, mask, bias,
                           out, lse)
     ctx.negative_slope, ctx.dst_is_src = slope, dst_is_src
+    ctx.lengths = lengths
     ctx.mark_non_differentiable(lse, h, a_src, a_dst)
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, grad_out, _lse, _h, _a_src, _a_dst):
     if grad_out is None:
-        return (None, ) * 17
+        return (None, ) * 19
     need = ctx.needs_input_grad
     output_mask = [need[6], need[7], need[8], need[9], need[10], need[11],
                    need[12], need[14]]
     grads = _lib.op('gat_attention_backward')(
         grad_out, *ctx.saved_tensors, ctx.negative_slope, ctx.dst_is_src,
-        output_mask)
+        output_mask, *ctx.lengths)
     # empty: not needed, or the input takes no part (att_dst without h_dst)
     g = [t if want and t.numel() > 0 else None
          for t, want in zip(grads, output_mask)]
-    return (None, ) * 6 + tuple(g[:7]) + (None, g[7], None, None)
+    return (None, ) * 6 + tuple(g[:7]) + (None, g[7]) + (None, ) * 4
 
 
 _lib.register('gat_attention', fake=_fake, backward=_backward,
@@ -102,7 +108,8 @@ def gat_attention(rowptr: Tensor, col: Tensor, csc: Optional[CSC],
                   mask: Optional[Tensor] = None, negative_slope: float = 0.2,
                   dst_is_src: bool = False, bias: Optional[Tensor] = None,
                   x: Optional[Tensor] = None,
-                  weight: Optional[Tensor] = None) -> Tensor:
+                  weight: Optional[Tensor] = None,
+                  max_lengths: Tuple[int, int] = (-1, -1)) -> Tensor:
     r"""GAT's attention layer core: :func:`attention` with
     ``a_src = (h_src * att_src).sum(-1)`` and ``a_dst = (h_dst *
     att_dst).sum(-1)`` computed inside one op.
@@ -119,6 +126,10 @@ def gat_attention(rowptr: Tensor, col: Tensor, csc: Optional[CSC],
         a_edge, mask: [E, H] in CSR order (edge score term, dropout
             multiplier).
         bias: H * C elements, added to the output by the kernel.
+        max_lengths: the longest row and column of the graph, or -1 where
+            unknown (:attr:`PreparedGraph.max_lengths`); a hint that saves
+            host time on CUDA, never changing the result. It must not
+            understate them.
 
     Returns:
         [N, H, C]. Indices are not validated here (see :func:`attention`).
@@ -130,4 +141,5 @@ def gat_attention(rowptr: Tensor, col: Tensor, csc: Optional[CSC],
     csc = maybe_csc(csc, rowptr, col, src.size(0))
     return _lib.op('gat_attention')(
         rowptr, col, *csc, x, weight, h_src, att_src, h_dst, att_dst, a_edge,
-        mask, bias, float(negative_slope), bool(dst_is_src))[0]
+        mask, bias, float(negative_slope), bool(dst_is_src),
+        int(max_lengths[0]), int(max_lengths[1]))[0]
