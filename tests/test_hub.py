@@ -14,7 +14,7 @@ import torch
 from pyg_fastattn import _build, ops, reference as R
 
 from conftest import DEVICES
-from graphs import assert_deterministic, csr_from_degrees
+from graphs import assert_bitwise, assert_deterministic, csr_from_degrees
 from test_gatv2 import _bias, _check as _check_gatv2
 from test_ops import TOL, _check, _leaf
 from test_transformer_attention import _check as _check_transformer
@@ -337,3 +337,73 @@ def test_hub_transformer_deterministic(split, device, dtype):
         return [out, lse, *torch.autograd.grad(out, leaves, go)]
 
     assert_deterministic(run, device)
+
+
+def _lengths(rowptr, colptr):
+    return tuple(int(p.diff().max()) if p.numel() > 1 else 0
+                 for p in (rowptr, colptr))
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('graph', ['hub', 'short'])
+def test_gat_length_hint_changes_nothing(split, device, graph):
+    """gat_attention's max_lengths hint (CUDA skips the split launches when
+    no row or column is above the threshold) leaves the output and every
+    gradient bitwise unchanged: on the hub graph (the split path still
+    runs) and on a graph of short rows and columns with more edges than the
+    threshold (the split path is skipped)."""
+    T = 16 if split == 'small' else DEFAULT_SPLIT
+    g = torch.Generator().manual_seed(5)
+    if graph == 'hub':
+        rowptr, col, Ns = hub_graph(split, torch.int64, 'cpu')
+        N = rowptr.numel() - 1
+        col = col % N
+    else:
+        N = 300 if split == 'small' else 1200
+        deg = torch.randint(0, min(T, 20) + 1, (N, ), generator=g)
+        rowptr, col = csr_from_degrees(deg, N)
+    rowptr, col = rowptr.to(device), col.to(device)
+    csc = ops.csr_to_csc(rowptr, col, N)
+    lengths = _lengths(rowptr, csc.colptr)
+    if graph == 'short':
+        assert col.numel() > T and max(lengths) <= T
+    else:
+        assert max(lengths) > T
+    H, C, F = 4, 8, 12
+    d = dict(device=device, dtype=torch.float32)
+    x, w = torch.randn(N, F, **d), torch.randn(H * C, F, **d)
+    att_s, att_d = torch.randn(1, H, C, **d), torch.randn(1, H, C, **d)
+    bias, go = torch.randn(H * C, **d), torch.randn(N, H, C, **d)
+    mask = (torch.rand(col.numel(), H, **d) > 0.3).float() * 1.5
+
+    def run(hint):
+        leaves = [t.clone().requires_grad_() for t in (x, w, att_s, att_d, bias)]
+        out = ops.gat_attention(rowptr, col, csc, None, leaves[2], None,
+                                leaves[3], None, mask, 0.2, dst_is_src=True,
+                                bias=leaves[4], x=leaves[0], weight=leaves[1],
+                                max_lengths=hint)
+        return [out, *torch.autograd.grad(out, leaves, go)]
+
+    assert_bitwise(run((-1, -1)), run(lengths), 'with the length hint')
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('kind', ['square', 'bipartite', 'no_edges'])
+def test_prepared_graph_max_lengths(device, idx, kind):
+    """PreparedGraph.max_lengths: (-1, -1) on the CPU; on CUDA the longest
+    row and column once the device copy has landed (no host sync)."""
+    from pyg_fastattn import prepare
+    ei = torch.tensor([[0, 1, 2, 3, 3, 3, 4], [1, 1, 1, 0, 2, 0, 2]])
+    if kind == 'square':
+        graph = prepare(ei.to(device, idx), num_nodes=5)
+    elif kind == 'bipartite':
+        graph = prepare(ei.to(device, idx), size=(5, 3), add_self_loops=False)
+    else:
+        graph = prepare(ei[:, :0].to(device, idx), size=(4, 0),
+                        add_self_loops=False)
+    assert graph.max_lengths == (-1, -1)  # CUDA: queued by this access
+    if device == 'cpu':
+        return
+    torch.cuda.synchronize()
+    assert graph.max_lengths == _lengths(graph.rowptr, graph.csc.colptr)

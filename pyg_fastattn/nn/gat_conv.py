@@ -170,7 +170,8 @@ class FastGATConv(FusedAttentionConv, GATConv):
             None if shared else x_dst, self.att_dst, a_edge, mask,
             self.negative_slope, dst_is_src=shared,
             bias=bias if fuse else None, x=lin_x,
-            weight=None if lin_x is None else self.lin.weight), fuse
+            weight=None if lin_x is None else self.lin.weight,
+            max_lengths=graph.max_lengths), fuse
 
     def _fused_lin(self, x: Tensor, want_weights) -> bool:
         """Whether ``lin(x)`` can run inside the fused op: PyG's own bias-free

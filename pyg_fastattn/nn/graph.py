@@ -22,11 +22,12 @@ Indices are validated here, never in the layer's kernels (see
 :func:`set_validation`); nothing here waits for the GPU unless node counts
 must be read from the indices or ``'sync'`` validation is asked for.
 """
+import os
 import threading
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -101,6 +102,8 @@ class PreparedGraph:
         layout: the input form ('edge_index', 'coo', 'csr', 'csc',
             'sparse_tensor'), used to shape returned attention weights.
         index_dtype: dtype of the input indices.
+        max_lengths: (longest CSR row, longest CSC column) once known, else
+            -1 each (see the property).
     """
     rowptr: Tensor
     col: Tensor
@@ -115,6 +118,45 @@ class PreparedGraph:
     add_self_loops: bool
     layout: str = 'edge_index'
     index_dtype: torch.dtype = torch.int64
+    _lengths: Any = None  # None, (pinned host copy, event) or (rows, cols)
+
+    @property
+    def max_lengths(self) -> Tuple[int, int]:
+        """(longest CSR row, longest CSC column), or (-1, -1) while unknown:
+        a hint for the CUDA kernels, which then skip their long-row split
+        launches on graphs without long rows (host time). No host sync: the
+        first access on CUDA queues the reduction and a copy to pinned
+        memory; later accesses read it once the copy has landed. Always
+        (-1, -1) on the CPU, under ``torch.compile`` or CUDA-graph capture,
+        and with ``PYG_FASTATTN_LENGTH_HINT=0``."""
+        st = self._lengths
+        if isinstance(st, tuple) and isinstance(st[0], int):
+            return st
+        dev = self.rowptr.device
+        if (_is_compiling() or dev.type != 'cuda'
+                or torch.cuda.is_current_stream_capturing()
+                or os.environ.get('PYG_FASTATTN_LENGTH_HINT') == '0'):
+            return (-1, -1)
+        if st is None:
+            rowptr, colptr = self.rowptr, self.csc.colptr
+            with torch.cuda.device(dev):
+                if rowptr.numel() == colptr.numel() > 1:  # 3 launches
+                    d = torch.stack([rowptr, colptr]).diff().amax(1)
+                else:
+                    d = torch.stack([p.diff().amax() if p.numel() > 1 else
+                                     p.new_zeros(()) for p in (rowptr, colptr)])
+                host = torch.full((2, ), -1, dtype=d.dtype, pin_memory=True)
+                host.copy_(d, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(dev))
+            self._lengths = (host, event)
+            return (-1, -1)
+        host, event = st
+        if not event.query():
+            return (-1, -1)
+        rows, cols = host.tolist()
+        self._lengths = (rows, cols)
+        return self._lengths
 
     @property
     def fill_index(self) -> Optional[Tensor]:
