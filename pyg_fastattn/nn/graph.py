@@ -126,9 +126,10 @@ class PreparedGraph:
         a hint for the CUDA kernels, which then skip their long-row split
         launches on graphs without long rows (host time). No host sync: the
         first access on CUDA queues the reduction and a copy to pinned
-        memory; later accesses read it once the copy has landed. Always
-        (-1, -1) on the CPU, under ``torch.compile`` or CUDA-graph capture,
-        and with ``PYG_FASTATTN_LENGTH_HINT=0``."""
+        memory; later accesses read it once the copy has landed. (-1, -1)
+        on the CPU and with ``PYG_FASTATTN_LENGTH_HINT=0``; under
+        ``torch.compile`` or CUDA-graph capture nothing is queued or read
+        (a graph resolved before keeps its numbers)."""
         st = self._lengths
         if isinstance(st, tuple) and isinstance(st[0], int):
             return st
