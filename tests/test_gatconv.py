@@ -274,6 +274,19 @@ def test_lazy_in_channels(backend):
     assert_same(run(ref, x, ei), run(fast, x, ei), dtype)
 
 
+def test_wrong_input_width_raises_as_gatconv(backend):
+    """x narrower than in_channels: the same error as GATConv's (its
+    Linear's matmul), not one about the fused op's weight."""
+    torch.manual_seed(0)
+    x, ei = torch.randn(6, 5), random_graph(6, 6, 12)
+    errors = []
+    for conv in (GATConv, FastGATConv):
+        with pytest.raises(RuntimeError) as e:
+            conv(8, 4, heads=2)(x, ei)
+        errors.append(str(e.value))
+    assert errors[0] == errors[1]
+
+
 @pytest.mark.parametrize('layout', ['coo', 'csr'])
 @pytest.mark.parametrize('loops', [True, False])
 def test_torch_sparse_adjacency(backend, layout, loops):

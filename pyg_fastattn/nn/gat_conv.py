@@ -176,10 +176,12 @@ class FastGATConv(FusedAttentionConv, GATConv):
     def _fused_lin(self, x: Tensor, want_weights) -> bool:
         """Whether ``lin(x)`` can run inside the fused op: PyG's own bias-free
         ``Linear`` (not a subclass: LoRA, quantized), without hooks, with x
-        in its dtype or under autocast."""
+        of its width and in its dtype or under autocast (else ``lin`` runs,
+        and raises what GATConv raises)."""
         lin = self.lin
         return (not want_weights and type(lin) is Linear and lin.bias is None
                 and not isinstance(lin.weight, UninitializedParameter)
+                and x.size(-1) == lin.weight.size(1)
                 and not lin._forward_hooks and not lin._forward_pre_hooks
                 and (x.dtype == lin.weight.dtype
                      or torch.is_autocast_enabled(x.device.type)))
