@@ -13,7 +13,7 @@ import torch
 
 from pyg_fastattn import _build, ops, reference as R
 
-from conftest import DEVICES
+from conftest import DEVICES, requires_cuda
 from graphs import assert_bitwise, assert_deterministic, csr_from_degrees
 from test_gatv2 import _bias, _check as _check_gatv2
 from test_ops import TOL, _check, _leaf
@@ -407,3 +407,42 @@ def test_prepared_graph_max_lengths(device, idx, kind):
         return
     torch.cuda.synchronize()
     assert graph.max_lengths == _lengths(graph.rowptr, graph.csc.colptr)
+
+
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize('hint', ['on', 'off'])
+def test_length_hint_reaches_the_kernels(monkeypatch, hint):
+    """A FastGATConv step on a cached graph of short rows with more edges
+    than the split threshold: with the hint known, no split window is marked
+    (forward, CSC backward, segment_sum); with PYG_FASTATTN_LENGTH_HINT=0 the
+    three ops mark their windows."""
+    if not _build.load().cuda:
+        pytest.skip(f'native CUDA kernels unavailable: {_build.load().error}')
+    from pyg_fastattn import FastGATConv
+    monkeypatch.delenv(SPLIT_ENV, raising=False)
+    if hint == 'off':
+        monkeypatch.setenv('PYG_FASTATTN_LENGTH_HINT', '0')
+    torch.manual_seed(0)
+    N, E = 2000, 20000
+    ei = torch.randint(N, (2, E), device='cuda')
+    x = torch.randn(N, 16, device='cuda')
+    conv = FastGATConv(16, 8, heads=4).cuda()
+
+    def step():
+        conv(x, ei).sum().backward()
+
+    step()  # prepares and caches the graph, queues the reduction
+    torch.cuda.synchronize()
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    marks = sum(e.count for e in prof.key_averages()
+                if 'mark_windows' in e.key)
+    if hint == 'on':
+        assert marks == 0
+    else:
+        assert marks >= 3
