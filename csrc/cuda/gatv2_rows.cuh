@@ -288,16 +288,30 @@ void run_backward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
                                         a.g_l, DOT ? a.g_v : nullptr);
   }
   if (DOT) return;
-  // grad_att: the warps' partials summed in warp order, in two steps.
+  // grad_att: the partials summed in warp order, in two steps. The row-block
+  // warps' rows and the window blocks' rows are chunked apart, so that the
+  // grouping of the first does not depend on the number of windows (a
+  // window without a long row adds a zero row: the same sum bit for bit).
   constexpr int64_t kChunks = 64;
-  const int64_t per_chunk = ceil_div(warps, kChunks);
-  const int64_t chunks = ceil_div(warps, per_chunk);
+  const int64_t row_warps = warps - a.sp.nwin;
+  const int64_t per_chunk = ceil_div(row_warps, kChunks);
+  const int64_t row_chunks = ceil_div(row_warps, per_chunk);
+  const int64_t win_per_chunk = std::max<int64_t>(1, ceil_div(a.sp.nwin, kChunks));
+  const int64_t win_chunks = ceil_div(a.sp.nwin, win_per_chunk);
+  const int64_t chunks = row_chunks + win_chunks;
   at::Tensor mid = at::empty({chunks, HC}, acc_opts);
   const unsigned col_blocks = static_cast<unsigned>(ceil_div(HC, kWarp));
   gatv2_sum_rows_kernel<A, A>
-      <<<dim3(col_blocks, static_cast<unsigned>(chunks)), kBlock, 0,
-         stream>>>(a.att_partial, warps, HC, per_chunk, mid.data_ptr<A>());
+      <<<dim3(col_blocks, static_cast<unsigned>(row_chunks)), kBlock, 0,
+         stream>>>(a.att_partial, row_warps, HC, per_chunk, mid.data_ptr<A>());
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (win_chunks > 0) {
+    gatv2_sum_rows_kernel<A, A>
+        <<<dim3(col_blocks, static_cast<unsigned>(win_chunks)), kBlock, 0,
+           stream>>>(a.att_partial + row_warps * HC, a.sp.nwin, HC,
+                     win_per_chunk, mid.data_ptr<A>() + row_chunks * HC);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
   gatv2_sum_rows_kernel<A, scalar_t>
       <<<dim3(col_blocks, 1), kBlock, 0, stream>>>(
           mid.data_ptr<A>(), chunks, HC, chunks, g_att->data_ptr<scalar_t>());
