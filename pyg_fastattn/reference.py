@@ -280,7 +280,8 @@ def gatv2_attention(rowptr: Tensor, col: Tensor, x_l: Tensor, x_r: Tensor,
                     bias: Optional[Tensor] = None,
                     colptr: Optional[Tensor] = None,
                     csc_row: Optional[Tensor] = None,
-                    csc_perm: Optional[Tensor] = None
+                    csc_perm: Optional[Tensor] = None,
+                    max_row_len: int = -1, max_col_len: int = -1
                     ) -> Tuple[Tensor, Tensor]:
     N = rowptr.numel() - 1
     _, H, C = x_l.shape
@@ -302,7 +303,8 @@ def gatv2_attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
                              att: Tensor, mask: Optional[Tensor],
                              negative_slope: float, bias: Optional[Tensor],
                              out: Tensor, lse: Tensor, grad_out: Tensor,
-                             need_edge: bool
+                             need_edge: bool, max_row_len: int = -1,
+                             max_col_len: int = -1
                              ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     N = rowptr.numel() - 1
     t = _opmath(x_l.dtype)
@@ -363,7 +365,8 @@ def transformer_attention(rowptr: Tensor, col: Tensor, query: Tensor,
                           edge_term: Optional[Tensor], mask: Optional[Tensor],
                           scale: float, colptr: Optional[Tensor] = None,
                           csc_row: Optional[Tensor] = None,
-                          csc_perm: Optional[Tensor] = None
+                          csc_perm: Optional[Tensor] = None,
+                          max_row_len: int = -1, max_col_len: int = -1
                           ) -> Tuple[Tensor, Tensor]:
     N = rowptr.numel() - 1
     _, H, C = key.shape
@@ -385,7 +388,8 @@ def transformer_attention_backward(rowptr: Tensor, col: Tensor,
                                    edge_term: Optional[Tensor],
                                    mask: Optional[Tensor], scale: float,
                                    out: Tensor, lse: Tensor, grad_out: Tensor,
-                                   need_edge: bool
+                                   need_edge: bool, max_row_len: int = -1,
+                                   max_col_len: int = -1
                                    ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     N = rowptr.numel() - 1
     Ns, H, C = key.shape

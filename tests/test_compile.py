@@ -41,6 +41,7 @@ def _op_cases(device, idx):
                              None, None, None, 0.2, return_lse=True)
     row = rows_of(rowptr, E)
     nd = lambda a: a.detach()  # noqa: E731
+    lens = (int(rowptr.diff().max()), int(csc.colptr.diff().max()))
     x_r, e_t = torch.randn(N, H, C, **d), torch.randn(E, H, C, **d)
     out2, lse2 = ops.gatv2_attention(rowptr, col, nd(v), nd(x_r), nd(att[0]),
                                      nd(e_t), t['mask'], return_lse=True,
@@ -72,27 +73,27 @@ def _op_cases(device, idx):
                            None, 0.2, False, int(rowptr.diff().max()),
                            int(csc.colptr.diff().max()))),
         ('gatv2_attention', (rowptr, col, v, x_r, e_t, att[0][0], t['mask'],
-                             0.2, bias, *tuple(csc)[:3])),
+                             0.2, bias, *tuple(csc)[:3], *lens)),
         ('gatv2_attention', (rowptr, col, v, x_r, None, att[0][0], None, 0.2,
-                             None, None, None, None)),
+                             None, None, None, None, -1, -1)),
         ('gatv2_attention_backward', (rowptr, col, *tuple(csc)[:3], nd(v),
                                       nd(x_r), nd(e_t), nd(att[0][0]),
                                       t['mask'], 0.2, nd(bias), out2, lse2,
-                                      torch.randn_like(out2), True)),
+                                      torch.randn_like(out2), True, *lens)),
         ('gatv2_attention_backward', (rowptr, col, *tuple(csc)[:3], nd(v),
                                       nd(x_r), None, nd(att[0][0]), None,
                                       0.2, None, out2, lse2,
-                                      torch.randn_like(out2), False)),
+                                      torch.randn_like(out2), False, -1, -1)),
         ('transformer_attention', (rowptr, col, q, v, val, e_t, t['mask'],
-                                   0.5, *tuple(csc)[:3])),
+                                   0.5, *tuple(csc)[:3], *lens)),
         ('transformer_attention', (rowptr, col, q, v, val, None, None, 1.0,
-                                   None, None, None)),
+                                   None, None, None, -1, -1)),
         ('transformer_attention_backward', (
             rowptr, col, *tuple(csc)[:3], nd(q), nd(v), nd(val), nd(e_t),
-            t['mask'], 0.5, out3, lse3, torch.randn_like(out3), True)),
+            t['mask'], 0.5, out3, lse3, torch.randn_like(out3), True, *lens)),
         ('transformer_attention_backward', (
             rowptr, col, *tuple(csc)[:3], nd(q), nd(v), nd(val), None, None,
-            0.5, out3, lse3, torch.randn_like(out3), False)),
+            0.5, out3, lse3, torch.randn_like(out3), False, -1, -1)),
     ]
 
 

@@ -343,10 +343,10 @@ def test_checks():
     op = torch.ops.pyg_fastattn.gatv2_attention
     with pytest.raises(RuntimeError, match='bias'):  # the kernels' checks
         op(rowptr, col, x_l, x_r, e_t, att, m, 0.2, bias[:-1], None, None,
-           None)
+           None, -1, -1)
     with pytest.raises(RuntimeError, match='bias'):
         op(rowptr, col, x_l, x_r, e_t, att, m, 0.2, bias.float(), None,
-           None, None)
+           None, None, -1, -1)
 
 
 # FastGATv2Conv against GATv2Conv ############################################

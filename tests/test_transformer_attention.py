@@ -209,14 +209,16 @@ def test_opcheck(backend, device, idx, terms):
     leaves = [t.requires_grad_() if t is not None else None
               for t in (q, k, v, e_t)]
     csc_args = tuple(csc)[:3] if terms else (None, ) * 3
-    fwd = (rowptr, col, *leaves, m, SCALE, *csc_args)
+    lens = ((int(rowptr.diff().max()), int(csc.colptr.diff().max()))
+            if terms else (-1, -1))
+    fwd = (rowptr, col, *leaves, m, SCALE, *csc_args, *lens)
     torch.library.opcheck(torch.ops.pyg_fastattn.transformer_attention.default,
                           fwd)
     nd = [t.detach() if t is not None else None for t in leaves]
     out, lse = torch.ops.pyg_fastattn.transformer_attention(
-        rowptr, col, *nd, m, SCALE, *csc_args)
+        rowptr, col, *nd, m, SCALE, *csc_args, *lens)
     bwd = (rowptr, col, *tuple(csc)[:3], *nd, m, SCALE, out, lse,
-           torch.randn_like(out), terms)
+           torch.randn_like(out), terms, *lens)
     torch.library.opcheck(
         torch.ops.pyg_fastattn.transformer_attention_backward.default, bwd)
 
@@ -239,14 +241,15 @@ def test_native_kernels_match_reference(device, kind, dtype, terms):
     rowptr, col, q, k, v, e_t, m = _inputs(kind, device, torch.int32, dtype,
                                            edge=terms, mask=terms)
     csc = ops.csr_to_csc(rowptr, col, k.size(0))
+    lens = (int(rowptr.diff().max()), int(csc.colptr.diff().max()))
     go = torch.randn_like(q)
 
     def run():
         out, lse = K.transformer_attention(rowptr, col, q, k, v, e_t, m,
-                                           SCALE, *tuple(csc)[:3])
+                                           SCALE, *tuple(csc)[:3], *lens)
         grads = [K.transformer_attention_backward(
             rowptr, col, *tuple(csc)[:3], q, k, v, e_t, m, SCALE, out, lse,
-            go, need) for need in (False, True)]
+            go, need, *lens) for need in (False, True)]
         return out, lse, grads
 
     got = run()
@@ -288,16 +291,17 @@ def test_positions_outside_rows(device):
     csc_p = ops.csr_to_csc(rp_p, col_p, k.size(0), validate=False)
     go = torch.randn_like(q)
     out, lse = K.transformer_attention(rowptr, col, q, k, v, e_t, m, SCALE,
-                                       None, None, None)
+                                       None, None, None, -1, -1)
     out_p, lse_p = K.transformer_attention(rp_p, col_p, q, k, v, e_p, m_p,
-                                           SCALE, None, None, None)
+                                           SCALE, None, None, None, -1, -1)
     torch.testing.assert_close(out_p, out)
     torch.testing.assert_close(lse_p, lse)
     g = K.transformer_attention_backward(rowptr, col, *tuple(csc)[:3], q, k,
-                                         v, e_t, m, SCALE, out, lse, go, True)
+                                         v, e_t, m, SCALE, out, lse, go, True,
+                                         -1, -1)
     g_p = K.transformer_attention_backward(rp_p, col_p, *tuple(csc_p)[:3], q,
                                            k, v, e_p, m_p, SCALE, out_p,
-                                           lse_p, go, True)
+                                           lse_p, go, True, -1, -1)
     for a, b in zip(g_p[:3], g[:3]):
         torch.testing.assert_close(a, b)
     assert g_p[3].shape == (E + lead + tail, H, C)
@@ -317,11 +321,11 @@ def test_native_kernels_never_touch_out_of_bounds(device):
                torch.randn(3, 2, 5, **d))
     e_t, m = torch.randn(4, 2, 5, **d), torch.rand(4, 2, **d)
     out, lse = K.transformer_attention(rowptr, col, q, k, v, e_t, m, 1.0,
-                                       None, None, None)
+                                       None, None, None, -1, -1)
     K.transformer_attention_backward(rowptr, col, t([0, 3, -2, 99]),
                                      t([7, -1, 2, 0]), t([-5, 2, 100, 1]), q,
                                      k, v, e_t, m, 1.0, out, lse,
-                                     torch.randn_like(out), True)
+                                     torch.randn_like(out), True, -1, -1)
     if device == 'cuda':
         torch.cuda.synchronize()
     _check(*_inputs('mixed', device), tol=1e-10)  # still right afterwards
@@ -435,25 +439,26 @@ def test_checks():
     if not _build.native_available(torch.device('cpu')):
         return
     K = torch.ops.pyg_fastattn
-    none3 = (None, ) * 3
+    rest = (None, ) * 3 + (-1, -1)  # no transpose, no length hint
     kernel_bad = [
-        ((rowptr, col, q.float(), k, v, e_t, m, 1.0, *none3), 'query'),
-        ((rowptr, col, q, k, v.float(), e_t, m, 1.0, *none3), 'value'),
-        ((rowptr, col, q, k, v, e_t.float(), m, 1.0, *none3), 'edge_term'),
-        ((rowptr, col, q, k, v, e_t, m.float(), 1.0, *none3), 'mask'),
-        ((rowptr, col, q[:-1], k, v, e_t, m, 1.0, *none3), 'query'),
-        ((rowptr, col, q, k, v[:-1], e_t, m, 1.0, *none3), 'value'),
-        ((rowptr, col, q, k, v, e_t[:, :-1], m, 1.0, *none3), 'edge_term'),
-        ((rowptr, col.int(), q, k, v, e_t, m, 1.0, *none3), 'col'),
+        ((rowptr, col, q.float(), k, v, e_t, m, 1.0, *rest), 'query'),
+        ((rowptr, col, q, k, v.float(), e_t, m, 1.0, *rest), 'value'),
+        ((rowptr, col, q, k, v, e_t.float(), m, 1.0, *rest), 'edge_term'),
+        ((rowptr, col, q, k, v, e_t, m.float(), 1.0, *rest), 'mask'),
+        ((rowptr, col, q[:-1], k, v, e_t, m, 1.0, *rest), 'query'),
+        ((rowptr, col, q, k, v[:-1], e_t, m, 1.0, *rest), 'value'),
+        ((rowptr, col, q, k, v, e_t[:, :-1], m, 1.0, *rest), 'edge_term'),
+        ((rowptr, col.int(), q, k, v, e_t, m, 1.0, *rest), 'col'),
     ]
     for args, text in kernel_bad:
         with pytest.raises(RuntimeError, match=text):
             K.transformer_attention(*args)
     out, lse = K.transformer_attention(rowptr, col, q, k, v, e_t, m, 1.0,
-                                       *none3)
+                                       *rest)
     csc = tuple(ops.csr_to_csc(rowptr, col, k.size(0)))[:3]
     go = torch.randn_like(out)
-    base = [rowptr, col, *csc, q, k, v, e_t, m, 1.0, out, lse, go, True]
+    base = [rowptr, col, *csc, q, k, v, e_t, m, 1.0, out, lse, go, True, -1,
+            -1]
     for pos, value, text in [(12, lse.float(), 'lse'), (12, lse[:-1], 'lse'),
                              (2, csc[0][:-1], 'colptr'),
                              (13, go[:-1], 'grad_out'),

@@ -86,7 +86,8 @@ std::tuple<at::Tensor, at::Tensor> gatv2_attention_cpu(
     const at::Tensor& x_r_, const OptTensor& edge_term_,
     const at::Tensor& att_, const OptTensor& mask_, double negative_slope,
     const OptTensor& bias_, const OptTensor& /*colptr*/,
-    const OptTensor& /*csc_row*/, const OptTensor& /*csc_perm*/) {
+    const OptTensor& /*csc_row*/, const OptTensor& /*csc_perm*/,
+    int64_t /*max_row_len*/, int64_t /*max_col_len*/) {
   check_gatv2_attention(rowptr_, col_, x_l_, x_r_, edge_term_, att_, mask_,
                         bias_);
   const Inputs in =
@@ -180,7 +181,8 @@ gatv2_attention_backward_cpu(
     const at::Tensor& x_l_, const at::Tensor& x_r_, const OptTensor& edge_term_,
     const at::Tensor& att_, const OptTensor& mask_, double negative_slope,
     const OptTensor& bias_, const at::Tensor& out_, const at::Tensor& lse_,
-    const at::Tensor& grad_out_, bool need_edge) {
+    const at::Tensor& grad_out_, bool need_edge, int64_t /*max_row_len*/,
+    int64_t /*max_col_len*/) {
   check_gatv2_attention_backward(rowptr_, col_, colptr_, csc_row_, csc_perm_,
                                  x_l_, x_r_, edge_term_, att_, mask_, bias_,
                                  out_, lse_, grad_out_);

@@ -128,7 +128,8 @@ std::tuple<at::Tensor, at::Tensor> transformer_attention_cpu(
     const at::Tensor& query_, const at::Tensor& key_,
     const at::Tensor& value_, const OptTensor& edge_term_,
     const OptTensor& mask_, double scale, const OptTensor& /*colptr*/,
-    const OptTensor& /*csc_row*/, const OptTensor& /*csc_perm*/) {
+    const OptTensor& /*csc_row*/, const OptTensor& /*csc_perm*/,
+    int64_t /*max_row_len*/, int64_t /*max_col_len*/) {
   check_transformer_attention(rowptr_, col_, query_, key_, value_, edge_term_,
                               mask_);
   const Inputs in = contiguous_inputs(rowptr_, col_, query_, key_, value_,
@@ -170,7 +171,7 @@ transformer_attention_backward_cpu(
     const at::Tensor& query_, const at::Tensor& key_, const at::Tensor& value_,
     const OptTensor& edge_term_, const OptTensor& mask_, double scale,
     const at::Tensor& out_, const at::Tensor& lse_, const at::Tensor& grad_out_,
-    bool need_edge) {
+    bool need_edge, int64_t /*max_row_len*/, int64_t /*max_col_len*/) {
   check_transformer_attention_backward(rowptr_, col_, colptr_, csc_row_,
                                        csc_perm_, query_, key_, value_,
                                        edge_term_, mask_, out_, lse_, grad_out_);

@@ -17,7 +17,8 @@ std::tuple<at::Tensor, at::Tensor> gatv2_attention_cuda(
     const c10::optional<at::Tensor>& bias_in,
     const c10::optional<at::Tensor>& /*colptr*/,
     const c10::optional<at::Tensor>& /*csc_row*/,
-    const c10::optional<at::Tensor>& /*csc_perm*/) {
+    const c10::optional<at::Tensor>& /*csc_perm*/, int64_t max_row_len,
+    int64_t /*max_col_len*/) {
   check_gatv2_attention(rowptr_in, col_in, x_l_in, x_r_in, edge_term_in,
                         att_in, mask_in, bias_in);
   c10::cuda::CUDAGuard guard(x_l_in.device());
@@ -42,7 +43,7 @@ std::tuple<at::Tensor, at::Tensor> gatv2_attention_cuda(
       constexpr int VW = gatv2_vec<scalar_t>();
       const bool vec = C % VW == 0 && all_aligned({a.x_l, a.x_r, a.edge_term,
                                                    a.att, a.bias, a.out});
-      run_forward<false>(a, H, C, vec, x_l.options());
+      run_forward<false>(a, H, C, vec, x_l.options(), max_row_len);
     });
   });
   return {out, lse};

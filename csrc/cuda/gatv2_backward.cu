@@ -17,7 +17,8 @@ gatv2_attention_backward_cuda(
     const at::Tensor& att_in, const c10::optional<at::Tensor>& mask_in,
     double negative_slope, const c10::optional<at::Tensor>& bias_in,
     const at::Tensor& out_in, const at::Tensor& lse_in,
-    const at::Tensor& grad_out_in, bool need_edge) {
+    const at::Tensor& grad_out_in, bool need_edge, int64_t max_row_len,
+    int64_t max_col_len) {
   check_gatv2_attention_backward(rowptr_in, col_in, colptr_in, csc_row_in,
                                  csc_perm_in, x_l_in, x_r_in, edge_term_in,
                                  att_in, mask_in, bias_in, out_in, lse_in,
@@ -59,7 +60,8 @@ gatv2_attention_backward_cuda(
       const bool vec = C % VW == 0 &&
                        all_aligned({a.x_l, a.x_r, a.edge_term, a.att, a.bias,
                                     a.fout, a.grad_out, a.g_l, a.g_r, a.g_e});
-      run_backward<false>(a, H, C, vec, opts, &g_att);
+      run_backward<false>(a, H, C, vec, opts, &g_att, max_row_len,
+                          max_col_len);
     });
   });
   return {g_l, g_r, g_e, g_att};

@@ -156,15 +156,18 @@ __global__ void __launch_bounds__(kBlock)
 
 // Host: the forward of `a` (inputs, out, lse_out set) for H heads of C
 // channels, `vec`: aligned rows in gatv2_vec units; long rows through the
-// split path.
+// split path (none when max_row_len, the longest row or -1, is at most the
+// threshold).
 template <bool DOT, typename scalar_t, typename index_t>
 void run_forward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
-                 bool vec, const at::TensorOptions& opts) {
+                 bool vec, const at::TensorOptions& opts,
+                 int64_t max_row_len) {
   using A = acc_t<scalar_t>;
   constexpr int VW = gatv2_vec<scalar_t>();
   const Gatv2Plan P = make_plan(H, C, vec ? VW : 1);
   at::Tensor win, part;
-  a.sp = make_split(a.rowptr, a.N, a.E, opts, win, gatv2_split_plan());
+  a.sp = make_split(a.rowptr, a.N, a.E, opts, win, gatv2_split_plan(),
+                    max_row_len);
   if (a.sp.nwin > 0) {
     part = at::empty({2 * a.sp.nwin, H * C + 2 * H},
                      opts.dtype(c10::CppTypeToScalarType<A>::value));

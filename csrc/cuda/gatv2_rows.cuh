@@ -239,10 +239,12 @@ __global__ void __launch_bounds__(kBlock)
 
 // Host: the backward of `a` (inputs, fout, lse, grad_out and the gradient
 // outputs set; transpose in colptr/csc_row/csc_perm) for H heads of C
-// channels. Not DOT: grad_att into g_att.
+// channels. Not DOT: grad_att into g_att. max_row_len / max_col_len: the
+// longest row / column or -1 (no split path when at most the threshold).
 template <bool DOT, typename scalar_t, typename index_t>
 void run_backward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
-                  bool vec, const at::TensorOptions& opts, at::Tensor* g_att) {
+                  bool vec, const at::TensorOptions& opts, at::Tensor* g_att,
+                  int64_t max_row_len, int64_t max_col_len) {
   using A = acc_t<scalar_t>;
   const int64_t N = a.N, E = a.E, Ns = a.Ns, HC = H * C;
   const auto acc_opts = opts.dtype(c10::CppTypeToScalarType<A>::value);
@@ -251,8 +253,10 @@ void run_backward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
   const int64_t row_blocks = std::min<int64_t>(kGatv2CudaBwdBlocks,
                                                ceil_div(N, kWarpsPerBlock));
   at::Tensor win, winc, part, partc, partial;
-  a.sp = make_split(a.rowptr, N, E, opts, win, gatv2_split_plan());
-  a.spc = make_split(a.colptr, Ns, E, opts, winc, gatv2_split_plan());
+  a.sp = make_split(a.rowptr, N, E, opts, win, gatv2_split_plan(),
+                    max_row_len);
+  a.spc = make_split(a.colptr, Ns, E, opts, winc, gatv2_split_plan(),
+                     max_col_len);
   const int64_t cw = DOT ? 2 * HC : HC;  // source pass partial width
   if (a.sp.nwin > 0) {
     part = at::empty({2 * a.sp.nwin, HC}, acc_opts);

@@ -17,7 +17,8 @@ std::tuple<at::Tensor, at::Tensor> transformer_attention_cuda(
     const c10::optional<at::Tensor>& mask_in, double scale,
     const c10::optional<at::Tensor>& /*colptr*/,
     const c10::optional<at::Tensor>& /*csc_row*/,
-    const c10::optional<at::Tensor>& /*csc_perm*/) {
+    const c10::optional<at::Tensor>& /*csc_perm*/, int64_t max_row_len,
+    int64_t /*max_col_len*/) {
   check_transformer_attention(rowptr_in, col_in, query_in, key_in, value_in,
                               edge_term_in, mask_in);
   c10::cuda::CUDAGuard guard(key_in.device());
@@ -43,7 +44,7 @@ std::tuple<at::Tensor, at::Tensor> transformer_attention_cuda(
       constexpr int VW = gatv2_vec<scalar_t>();
       const bool vec = C % VW == 0 && all_aligned({a.x_l, a.x_r, a.value,
                                                    a.edge_term, a.out});
-      run_forward<true>(a, H, C, vec, key.options());
+      run_forward<true>(a, H, C, vec, key.options(), max_row_len);
     });
   });
   return {out, lse};

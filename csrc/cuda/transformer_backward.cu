@@ -17,7 +17,8 @@ transformer_attention_backward_cuda(
     const c10::optional<at::Tensor>& edge_term_in,
     const c10::optional<at::Tensor>& mask_in, double scale,
     const at::Tensor& out_in, const at::Tensor& lse_in,
-    const at::Tensor& grad_out_in, bool need_edge) {
+    const at::Tensor& grad_out_in, bool need_edge, int64_t max_row_len,
+    int64_t max_col_len) {
   check_transformer_attention_backward(
       rowptr_in, col_in, colptr_in, csc_row_in, csc_perm_in, query_in, key_in,
       value_in, edge_term_in, mask_in, out_in, lse_in, grad_out_in);
@@ -59,7 +60,8 @@ transformer_attention_backward_cuda(
       const bool vec = C % VW == 0 &&
                        all_aligned({a.x_l, a.x_r, a.value, a.edge_term, a.fout,
                                     a.grad_out, a.g_l, a.g_r, a.g_v, a.g_e});
-      run_backward<true>(a, H, C, vec, opts, nullptr);
+      run_backward<true>(a, H, C, vec, opts, nullptr, max_row_len,
+                         max_col_len);
     });
   });
   return {g_q, g_k, g_v, g_e};

@@ -1,7 +1,7 @@
 """``gatv2_attention``: GATv2's fused score, row softmax and aggregation, and
 its backward. Kernels: ``csrc/cpu/gatv2_cpu.cpp``, ``csrc/cuda/gatv2.cu``,
 or :func:`pyg_fastattn.reference.gatv2_attention`."""
-from typing import Optional
+from typing import Optional, Tuple
 
 from torch import Tensor
 
@@ -22,12 +22,14 @@ from .csr import CSC, maybe_csc
 # elements, x_l's dtype) is added to every row of out (empty ones too) in the
 # same store. Nothing of size [E, H, C] is stored. colptr/csc_row/csc_perm:
 # the transpose (csr_to_csc), read only by the backward (built there when
-# absent).
+# absent). max_row_len / max_col_len: the longest CSR row / CSC column when
+# known, else -1 (a hint: CUDA skips its long-row split path when no row
+# needs it; results do not change).
 _lib.define(
     'gatv2_attention(Tensor rowptr, Tensor col, Tensor x_l, Tensor x_r, '
     'Tensor? edge_term, Tensor att, Tensor? mask, float negative_slope, '
-    'Tensor? bias, Tensor? colptr, Tensor? csc_row, Tensor? csc_perm) '
-    '-> (Tensor, Tensor)')
+    'Tensor? bias, Tensor? colptr, Tensor? csc_row, Tensor? csc_perm, '
+    'int max_row_len, int max_col_len) -> (Tensor, Tensor)')
 # (No defaults: the dispatcher drops arguments equal to their defaults, and
 # the autograd formula must see every input.)
 # Gradients, alpha recomputed from lse:
@@ -43,16 +45,17 @@ _lib.define(
 # Returns (grad_x_l [Ns, H, C], grad_x_r [N, H, C], grad_edge_term [E, H, C]
 # in CSR order (0 outside every row; empty [0] unless need_edge), grad_att
 # [H, C]). grad_bias (the column sum of grad_out) is left to the caller.
+# max_row_len / max_col_len: as in the forward.
 _lib.define(
     'gatv2_attention_backward(Tensor rowptr, Tensor col, Tensor colptr, '
     'Tensor csc_row, Tensor csc_perm, Tensor x_l, Tensor x_r, '
     'Tensor? edge_term, Tensor att, Tensor? mask, float negative_slope, '
-    'Tensor? bias, Tensor out, Tensor lse, Tensor grad_out, bool need_edge) '
-    '-> (Tensor, Tensor, Tensor, Tensor)')
+    'Tensor? bias, Tensor out, Tensor lse, Tensor grad_out, bool need_edge, '
+    'int max_row_len, int max_col_len) -> (Tensor, Tensor, Tensor, Tensor)')
 
 
 def _fake(rowptr, col, x_l, x_r, edge_term, att, mask, negative_slope, bias,
-          colptr, csc_row, csc_perm):
+          colptr, csc_row, csc_perm, max_row_len, max_col_len):
     N, H, C = rowptr.shape[0] - 1, x_l.shape[1], x_l.shape[2]
     out = x_l.new_empty((N, H, C))
     lse = x_l.new_empty((N, H), dtype=_opmath(x_l.dtype))
@@ -61,7 +64,7 @@ def _fake(rowptr, col, x_l, x_r, edge_term, att, mask, negative_slope, bias,
 
 def _fake_backward(rowptr, col, colptr, csc_row, csc_perm, x_l, x_r,
                    edge_term, att, mask, negative_slope, bias, out, lse,
-                   grad_out, need_edge):
+                   grad_out, need_edge, max_row_len, max_col_len):
     g_edge = (x_l.new_empty(edge_term.shape) if need_edge
               and edge_term is not None else x_l.new_empty((0, )))
     return (x_l.new_empty(x_l.shape), x_l.new_empty(x_r.shape), g_edge,
@@ -69,18 +72,20 @@ def _fake_backward(rowptr, col, colptr, csc_row, csc_perm, x_l, x_r,
 
 
 def _setup_context(ctx, inputs, output):
-    (rowptr, col, x_l, x_r, edge_term, att, mask, slope, bias, *csc) = inputs
+    (rowptr, col, x_l, x_r, edge_term, att, mask, slope, bias, colptr,
+     csc_row, csc_perm, *lengths) = inputs
     out, lse = output
     ctx.save_for_backward(rowptr, col, x_l, x_r, edge_term, att, mask, bias,
-                          out, lse, *csc)
+                          out, lse, colptr, csc_row, csc_perm)
     ctx.negative_slope = slope
+    ctx.lengths = lengths
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zeros for lse's gradient
 
 
 def _backward(ctx, grad_out, _grad_lse):
     if grad_out is None:
-        return (None, ) * 12
+        return (None, ) * 14
     (rowptr, col, x_l, x_r, edge_term, att, mask, bias, out, lse,
      *csc) = ctx.saved_tensors
     need = ctx.needs_input_grad
@@ -89,13 +94,13 @@ def _backward(ctx, grad_out, _grad_lse):
     g_l, g_r, g_e, g_att = _lib.op('gatv2_attention_backward')(
         rowptr, col, csc.colptr, csc.row, csc.perm, x_l, x_r, edge_term, att,
         mask, ctx.negative_slope, bias, out, lse, grad_out.contiguous(),
-        need_edge)
+        need_edge, *ctx.lengths)
     g_bias = None
     if need[8]:
         g_bias = grad_out.reshape(-1, bias.numel()).sum(0).view(bias.shape)
     return (None, None, g_l if need[2] else None, g_r if need[3] else None,
             g_e if need_edge else None, g_att if need[5] else None, None,
-            None, g_bias) + (None, ) * 3
+            None, g_bias) + (None, ) * 5
 
 
 _lib.register('gatv2_attention', fake=_fake, backward=_backward,
@@ -108,7 +113,8 @@ def gatv2_attention(rowptr: Tensor, col: Tensor, x_l: Tensor, x_r: Tensor,
                     mask: Optional[Tensor] = None,
                     negative_slope: float = 0.2, csc: Optional[CSC] = None,
                     return_lse: bool = False, validate: bool = True,
-                    bias: Optional[Tensor] = None):
+                    bias: Optional[Tensor] = None,
+                    max_lengths: Tuple[int, int] = (-1, -1)):
     r"""GATv2 attention over a CSR graph (rows = destinations), fused.
 
     Per edge ``e = (j -> i)`` and head ``h``::
@@ -129,6 +135,10 @@ def gatv2_attention(rowptr: Tensor, col: Tensor, x_l: Tensor, x_r: Tensor,
         validate: check ``rowptr``/``col`` values (one host sync).
         bias: H * C elements added to every row of ``out`` (empty rows
             too) as the kernel stores it.
+        max_lengths: the longest row and column of the graph, or -1 where
+            unknown (:attr:`PreparedGraph.max_lengths`); a hint that saves
+            host time on CUDA, never changing the result. It must not
+            understate them.
 
     Returns:
         ``out`` [N, H, C] (and the row log-sum-exp [N, H] when
@@ -159,5 +169,7 @@ def gatv2_attention(rowptr: Tensor, col: Tensor, x_l: Tensor, x_r: Tensor,
     csc_args = tuple(csc)[:3] if csc is not None else (None, ) * 3
     out, lse = _lib.op('gatv2_attention')(rowptr, col, x_l, x_r, edge_term,
                                           att, mask, float(negative_slope),
-                                          bias, *csc_args)
+                                          bias, *csc_args,
+                                          int(max_lengths[0]),
+                                          int(max_lengths[1]))
     return (out, lse) if return_lse else out

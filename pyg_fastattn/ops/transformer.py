@@ -1,7 +1,7 @@
 """``transformer_attention``: TransformerConv's fused score, row softmax and
 aggregation, and its backward. Kernels: ``csrc/cpu/transformer_cpu.cpp``,
 ``csrc/cuda/``, or :func:`pyg_fastattn.reference.transformer_attention`."""
-from typing import Optional
+from typing import Optional, Tuple
 
 from torch import Tensor
 
@@ -20,11 +20,15 @@ from .csr import CSC, maybe_csc
 # query [N, H, C], key and value [Ns, H, C], edge_term [E, H, C] and mask
 # [E, H] in CSR order. Empty rows give out = 0, lse = -inf. Nothing of size
 # [E, H, C] is stored. colptr/csc_row/csc_perm: the transpose (csr_to_csc),
-# read only by the backward (built there when absent).
+# read only by the backward (built there when absent). max_row_len /
+# max_col_len: the longest CSR row / CSC column when known, else -1 (a hint:
+# CUDA skips its long-row split path when no row needs it; results do not
+# change).
 _lib.define(
     'transformer_attention(Tensor rowptr, Tensor col, Tensor query, '
     'Tensor key, Tensor value, Tensor? edge_term, Tensor? mask, float scale, '
-    'Tensor? colptr, Tensor? csc_row, Tensor? csc_perm) -> (Tensor, Tensor)')
+    'Tensor? colptr, Tensor? csc_row, Tensor? csc_perm, int max_row_len, '
+    'int max_col_len) -> (Tensor, Tensor)')
 # (No defaults: the dispatcher drops arguments equal to their defaults, and
 # the autograd formula must see every input.)
 # Gradients, alpha recomputed from lse:
@@ -40,17 +44,18 @@ _lib.define(
 # csc_row, csc_perm) for grad_key and grad_value: every output has one
 # writer, no atomics. Returns (grad_query [N, H, C], grad_key [Ns, H, C], grad_value
 # [Ns, H, C], grad_edge_term [E, H, C] in CSR order (0 outside every row;
-# empty [0] unless need_edge and edge_term is given)).
+# empty [0] unless need_edge and edge_term is given)). max_row_len /
+# max_col_len: as in the forward.
 _lib.define(
     'transformer_attention_backward(Tensor rowptr, Tensor col, '
     'Tensor colptr, Tensor csc_row, Tensor csc_perm, Tensor query, '
     'Tensor key, Tensor value, Tensor? edge_term, Tensor? mask, float scale, '
-    'Tensor out, Tensor lse, Tensor grad_out, bool need_edge) '
-    '-> (Tensor, Tensor, Tensor, Tensor)')
+    'Tensor out, Tensor lse, Tensor grad_out, bool need_edge, '
+    'int max_row_len, int max_col_len) -> (Tensor, Tensor, Tensor, Tensor)')
 
 
 def _fake(rowptr, col, query, key, value, edge_term, mask, scale, colptr,
-          csc_row, csc_perm):
+          csc_row, csc_perm, max_row_len, max_col_len):
     N, H, C = rowptr.shape[0] - 1, key.shape[1], key.shape[2]
     out = key.new_empty((N, H, C))
     lse = key.new_empty((N, H), dtype=_opmath(key.dtype))
@@ -58,7 +63,8 @@ def _fake(rowptr, col, query, key, value, edge_term, mask, scale, colptr,
 
 
 def _fake_backward(rowptr, col, colptr, csc_row, csc_perm, query, key, value,
-                   edge_term, mask, scale, out, lse, grad_out, need_edge):
+                   edge_term, mask, scale, out, lse, grad_out, need_edge,
+                   max_row_len, max_col_len):
     g_edge = (key.new_empty(edge_term.shape) if need_edge
               and edge_term is not None else key.new_empty((0, )))
     return (key.new_empty(query.shape), key.new_empty(key.shape),
@@ -66,18 +72,20 @@ def _fake_backward(rowptr, col, colptr, csc_row, csc_perm, query, key, value,
 
 
 def _setup_context(ctx, inputs, output):
-    (rowptr, col, query, key, value, edge_term, mask, scale, *csc) = inputs
+    (rowptr, col, query, key, value, edge_term, mask, scale, colptr, csc_row,
+     csc_perm, *lengths) = inputs
     out, lse = output
     ctx.save_for_backward(rowptr, col, query, key, value, edge_term, mask,
-                          out, lse, *csc)
+                          out, lse, colptr, csc_row, csc_perm)
     ctx.scale = scale
+    ctx.lengths = lengths
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zeros for lse's gradient
 
 
 def _backward(ctx, grad_out, _grad_lse):
     if grad_out is None:
-        return (None, ) * 11
+        return (None, ) * 13
     (rowptr, col, query, key, value, edge_term, mask, out, lse,
      *csc) = ctx.saved_tensors
     need = ctx.needs_input_grad
@@ -86,10 +94,10 @@ def _backward(ctx, grad_out, _grad_lse):
     g_q, g_k, g_v, g_e = _lib.op('transformer_attention_backward')(
         rowptr, col, csc.colptr, csc.row, csc.perm, query, key, value,
         edge_term, mask, ctx.scale, out, lse, grad_out.contiguous(),
-        need_edge)
+        need_edge, *ctx.lengths)
     return (None, None, g_q if need[2] else None, g_k if need[3] else None,
             g_v if need[4] else None, g_e if need_edge else None) + (
-                None, ) * 5
+                None, ) * 7
 
 
 _lib.register('transformer_attention', fake=_fake, backward=_backward,
@@ -102,7 +110,8 @@ def transformer_attention(rowptr: Tensor, col: Tensor, query: Tensor,
                           edge_term: Optional[Tensor] = None,
                           mask: Optional[Tensor] = None, scale: float = 1.0,
                           csc: Optional[CSC] = None, return_lse: bool = False,
-                          validate: bool = True):
+                          validate: bool = True,
+                          max_lengths: Tuple[int, int] = (-1, -1)):
     r"""Dot-product (TransformerConv) attention over a CSR graph (rows =
     destinations), fused: flash-attention over each row's edges.
 
@@ -126,6 +135,10 @@ def transformer_attention(rowptr: Tensor, col: Tensor, query: Tensor,
         csc: the transpose (:func:`csr_to_csc`), reused by backward.
         return_lse: also return the row log-sum-exp of the scores.
         validate: check ``rowptr``/``col`` values (one host sync).
+        max_lengths: the longest row and column of the graph, or -1 where
+            unknown (:attr:`PreparedGraph.max_lengths`); a hint that saves
+            host time on CUDA, never changing the result. It must not
+            understate them.
 
     Returns:
         ``out`` [N, H, C] in ``key``'s dtype (empty rows: 0), and with
@@ -161,5 +174,7 @@ def transformer_attention(rowptr: Tensor, col: Tensor, query: Tensor,
     csc_args = tuple(csc)[:3] if csc is not None else (None, ) * 3
     out, lse = _lib.op('transformer_attention')(rowptr, col, query, key,
                                                 value, edge_term, mask,
-                                                float(scale), *csc_args)
+                                                float(scale), *csc_args,
+                                                int(max_lengths[0]),
+                                                int(max_lengths[1]))
     return (out, lse) if return_lse else out
