@@ -155,7 +155,8 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
         out, lse = ops.gatv2_attention(
             graph.rowptr, graph.col, score.x_l, score.x_r, self.att,
             score.edge_term, mask, self.negative_slope, csc=graph.csc,
-            return_lse=True, validate=False, bias=bias)
+            return_lse=True, validate=False, bias=bias,
+            max_lengths=graph.max_lengths)
         return out, (lse if return_lse else None)
 
     def score_at(self, graph: PreparedGraph, score, pos: Tensor, src: Tensor,

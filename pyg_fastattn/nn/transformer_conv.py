@@ -132,7 +132,7 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         out, lse = ops.transformer_attention(
             graph.rowptr, graph.col, score.query, score.key, values,
             score.edge_term, mask, score.scale, csc=graph.csc,
-            return_lse=True, validate=False)
+            return_lse=True, validate=False, max_lengths=graph.max_lengths)
         return out, (lse if return_lse else None)
 
     def score_at(self, graph: PreparedGraph, score, pos: Tensor, src: Tensor,
