@@ -21,6 +21,7 @@ from test_transformer_attention import _check as _check_transformer
 
 SPLIT_ENV = 'PYG_FASTATTN_SPLIT_EDGES'
 DEFAULT_SPLIT = 4096  # kSplitEdges in csrc/common.h
+GATV2_SPLIT = 2048  # kGatv2SplitEdges (gatv2 and transformer kernels)
 
 
 @pytest.fixture(params=['small', 'default'])
@@ -344,15 +345,10 @@ def _lengths(rowptr, colptr):
                  for p in (rowptr, colptr))
 
 
-@pytest.mark.parametrize('device', DEVICES)
-@pytest.mark.parametrize('graph', ['hub', 'short'])
-def test_gat_length_hint_changes_nothing(split, device, graph):
-    """gat_attention's max_lengths hint (CUDA skips the split launches when
-    no row or column is above the threshold) leaves the output and every
-    gradient bitwise unchanged: on the hub graph (the split path still
-    runs) and on a graph of short rows and columns with more edges than the
-    threshold (the split path is skipped)."""
-    T = 16 if split == 'small' else DEFAULT_SPLIT
+def _hint_graph(split, graph, device, T):
+    """(rowptr, col, N, csc, lengths) of a square graph: the hub graph (a
+    row and a column above the threshold T) or one of short rows and
+    columns (at most T) with more than T edges."""
     g = torch.Generator().manual_seed(5)
     if graph == 'hub':
         rowptr, col, Ns = hub_graph(split, torch.int64, 'cpu')
@@ -369,6 +365,19 @@ def test_gat_length_hint_changes_nothing(split, device, graph):
         assert col.numel() > T and max(lengths) <= T
     else:
         assert max(lengths) > T
+    return rowptr, col, N, csc, lengths
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('graph', ['hub', 'short'])
+def test_gat_length_hint_changes_nothing(split, device, graph):
+    """gat_attention's max_lengths hint (CUDA skips the split launches when
+    no row or column is above the threshold) leaves the output and every
+    gradient bitwise unchanged: on the hub graph (the split path still
+    runs) and on a graph of short rows and columns with more edges than the
+    threshold (the split path is skipped)."""
+    T = 16 if split == 'small' else DEFAULT_SPLIT
+    rowptr, col, N, csc, lengths = _hint_graph(split, graph, device, T)
     H, C, F = 4, 8, 12
     d = dict(device=device, dtype=torch.float32)
     x, w = torch.randn(N, F, **d), torch.randn(H * C, F, **d)
@@ -383,6 +392,41 @@ def test_gat_length_hint_changes_nothing(split, device, graph):
                                 bias=leaves[4], x=leaves[0], weight=leaves[1],
                                 max_lengths=hint)
         return [out, *torch.autograd.grad(out, leaves, go)]
+
+    assert_bitwise(run((-1, -1)), run(lengths), 'with the length hint')
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('graph', ['hub', 'short'])
+@pytest.mark.parametrize('op', ['gatv2', 'transformer'])
+def test_gatv2_transformer_length_hint_changes_nothing(split, device, graph,
+                                                       op):
+    """As for gat_attention: the max_lengths hint of gatv2_attention and
+    transformer_attention leaves out, lse and every gradient bitwise
+    unchanged, on the hub graph and on a graph of short rows and columns
+    with more edges than their split threshold."""
+    T = 16 if split == 'small' else GATV2_SPLIT
+    rowptr, col, N, csc, lengths = _hint_graph(split, graph, device, T)
+    E, H, C = col.numel(), 4, 8
+    d = dict(device=device, dtype=torch.float32)
+    a, b, v = (torch.randn(N, H, C, **d) for _ in range(3))
+    e_t, att = torch.randn(E, H, C, **d), torch.randn(H, C, **d)
+    bias, go = torch.randn(H * C, **d), torch.randn(N, H, C, **d)
+    mask = (torch.rand(E, H, **d) > 0.3).float() * 1.5
+
+    def run(hint):
+        if op == 'gatv2':
+            leaves = [t.clone().requires_grad_() for t in (a, b, att, e_t, bias)]
+            out, lse = ops.gatv2_attention(
+                rowptr, col, leaves[0], leaves[1], leaves[2], leaves[3], mask,
+                0.2, csc=csc, return_lse=True, bias=leaves[4],
+                max_lengths=hint)
+        else:
+            leaves = [t.clone().requires_grad_() for t in (b, a, v, e_t)]
+            out, lse = ops.transformer_attention(
+                rowptr, col, *leaves, mask, 0.25, csc=csc, return_lse=True,
+                max_lengths=hint)
+        return [out, lse, *torch.autograd.grad(out, leaves, go)]
 
     assert_bitwise(run((-1, -1)), run(lengths), 'with the length hint')
 
@@ -412,14 +456,16 @@ def test_prepared_graph_max_lengths(device, idx, kind):
 @pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize('hint', ['on', 'off'])
-def test_length_hint_reaches_the_kernels(monkeypatch, hint):
-    """A FastGATConv step on a cached graph of short rows with more edges
-    than the split threshold: with the hint known, no split window is marked
-    (forward, CSC backward, segment_sum); with PYG_FASTATTN_LENGTH_HINT=0 the
-    three ops mark their windows."""
+@pytest.mark.parametrize('conv', ['gat', 'gatv2', 'transformer'])
+def test_length_hint_reaches_the_kernels(monkeypatch, hint, conv):
+    """A layer step on a cached graph of short rows with more edges than the
+    split thresholds: with the hint known, no split window is marked; with
+    PYG_FASTATTN_LENGTH_HINT=0 three launches mark their windows (GAT: the
+    forward, the CSC backward and segment_sum; GATv2 and Transformer: the
+    forward and the backward's row and column passes)."""
     if not _build.load().cuda:
         pytest.skip(f'native CUDA kernels unavailable: {_build.load().error}')
-    from pyg_fastattn import FastGATConv
+    from pyg_fastattn import FastGATConv, FastGATv2Conv, FastTransformerConv
     monkeypatch.delenv(SPLIT_ENV, raising=False)
     if hint == 'off':
         monkeypatch.setenv('PYG_FASTATTN_LENGTH_HINT', '0')
@@ -427,10 +473,12 @@ def test_length_hint_reaches_the_kernels(monkeypatch, hint):
     N, E = 2000, 20000
     ei = torch.randint(N, (2, E), device='cuda')
     x = torch.randn(N, 16, device='cuda')
-    conv = FastGATConv(16, 8, heads=4).cuda()
+    cls = {'gat': FastGATConv, 'gatv2': FastGATv2Conv,
+           'transformer': FastTransformerConv}[conv]
+    layer = cls(16, 8, heads=4).cuda()
 
     def step():
-        conv(x, ei).sum().backward()
+        layer(x, ei).sum().backward()
 
     step()  # prepares and caches the graph, queues the reduction
     torch.cuda.synchronize()
