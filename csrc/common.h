@@ -88,6 +88,12 @@ constexpr int64_t kGatScoreRows = 64;
 // (at most a warp) are read once and written once.
 constexpr int kSoftmaxLaneElems = 16;
 
+// Column sums of a [R, K] tensor (bias gradients, column_sum): on CUDA from
+// this many rows a GEMV against ones, which reads the rows at near copy
+// rate where sum(0)'s reduction kernel does not; below it, and on the CPU,
+// sum(0).
+constexpr int64_t kColumnSumGemvRows = 16384;
+
 struct SplitPlan {
   int64_t split;  // rows with more edges than this are split (>= chunk)
   int64_t chunk;  // edges per chunk
@@ -311,5 +317,15 @@ void check_csr_build(const at::Tensor& src, const at::Tensor& dst,
                      int64_t num_src, int64_t num_dst, bool add_self_loops);
 void check_csc_build(const at::Tensor& rowptr, const at::Tensor& col,
                      int64_t num_cols);
+
+}  // namespace pyg_fastattn
+
+// ---------------------------------------------------------------------------
+// linear and column_sum (csrc/ops/linear.cpp): the layers' Linear, with its
+// bias gradient as column_sum.
+namespace pyg_fastattn {
+
+// [R, K] -> [K]; see kColumnSumGemvRows. Deterministic either way.
+at::Tensor column_sum(const at::Tensor& src);
 
 }  // namespace pyg_fastattn

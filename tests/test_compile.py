@@ -94,6 +94,13 @@ def _op_cases(device, idx):
         ('transformer_attention_backward', (
             rowptr, col, *tuple(csc)[:3], nd(q), nd(v), nd(val), None, None,
             0.5, out3, lse3, torch.randn_like(out3), False, -1, -1)),
+        ('linear', (x, w, bias)),
+        ('linear', (x, w, None)),
+        ('linear_backward', (torch.randn(N, H * C, device=x.device), nd(x),
+                             nd(w), [True, True, True])),
+        ('linear_backward', (torch.randn(N, H * C, device=x.device), nd(x),
+                             nd(w), [False, True, False])),
+        ('column_sum', (nd(s), )),
     ]
 
 

@@ -265,7 +265,7 @@ std::vector<at::Tensor> gat_attention_backward(
   }
   at::Tensor g_bias;
   if (output_mask[7] && bias.has_value())  // the column sum
-    g_bias = grad_out.reshape({-1, HC}).sum(0).view(bias->sizes());
+    g_bias = column_sum(grad_out.reshape({-1, HC})).view(bias->sizes());
   const at::Tensor e = none_like(h);
   auto or_empty = [&](const at::Tensor& t, bool want) {
     return want && t.defined() ? t : e;

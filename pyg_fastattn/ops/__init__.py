@@ -11,6 +11,7 @@ from .csr import CSC, csr_to_csc
 from .edge_softmax import edge_softmax
 from .gat import gat_attention
 from .gatv2 import gatv2_attention
+from .linear import column_sum, linear
 from .sddmm import sddmm, sddmm_csr
 from .spmm import segment_sum, spmm
 from .transformer import transformer_attention
@@ -21,5 +22,5 @@ _lib.install_backends()
 __all__ = [
     'edge_softmax', 'softmax_aggregate', 'spmm', 'sddmm', 'sddmm_csr',
     'attention', 'gat_attention', 'gatv2_attention', 'transformer_attention',
-    'csr_to_csc', 'CSC', 'check_csr', 'segment_sum'
+    'csr_to_csc', 'CSC', 'check_csr', 'segment_sum', 'linear', 'column_sum'
 ]

@@ -91,7 +91,8 @@ def _backward(ctx, grad_out, _grad_lse):
                                        g_z)
     g_bias = None
     if need[8]:
-        g_bias = grad_out.reshape(-1, bias.numel()).sum(0).view(bias.shape)
+        g_bias = _lib.op('column_sum')(
+            grad_out.reshape(-1, bias.numel())).view(bias.shape)
     return (None, None, g_src if need[2] else None, g_dst,
             g_z if need_edge else None, None,
             g_values if need[6] else None, None, g_bias) + (None, ) * 4

@@ -97,7 +97,8 @@ def _backward(ctx, grad_out, _grad_lse):
         need_edge, *ctx.lengths)
     g_bias = None
     if need[8]:
-        g_bias = grad_out.reshape(-1, bias.numel()).sum(0).view(bias.shape)
+        g_bias = _lib.op('column_sum')(
+            grad_out.reshape(-1, bias.numel())).view(bias.shape)
     return (None, None, g_l if need[2] else None, g_r if need[3] else None,
             g_e if need_edge else None, g_att if need[5] else None, None,
             None, g_bias) + (None, ) * 5
