@@ -3,12 +3,10 @@ from typing import Optional, Tuple, Union
 
 import torch
 from torch import Tensor
-from torch.nn.parameter import UninitializedParameter
 from torch_geometric.nn.conv import GATConv
-from torch_geometric.nn.dense.linear import Linear
 
 from .. import ops
-from .base import AdditiveScore, FusedAttentionConv
+from .base import AdditiveScore, FusedAttentionConv, plain_linear
 from .graph import PreparedGraph
 
 __all__ = ['FastGATConv']
@@ -174,17 +172,11 @@ class FastGATConv(FusedAttentionConv, GATConv):
             max_lengths=graph.max_lengths), fuse
 
     def _fused_lin(self, x: Tensor, want_weights) -> bool:
-        """Whether ``lin(x)`` can run inside the fused op: PyG's own bias-free
-        ``Linear`` (not a subclass: LoRA, quantized), without hooks, with x
-        of its width and in its dtype or under autocast (else ``lin`` runs,
-        and raises what GATConv raises)."""
-        lin = self.lin
-        return (not want_weights and type(lin) is Linear and lin.bias is None
-                and not isinstance(lin.weight, UninitializedParameter)
-                and x.size(-1) == lin.weight.size(1)
-                and not lin._forward_hooks and not lin._forward_pre_hooks
-                and (x.dtype == lin.weight.dtype
-                     or torch.is_autocast_enabled(x.device.type)))
+        """Whether ``lin(x)`` can run inside the fused op: a bias-free
+        :func:`plain_linear` (else ``lin`` runs, and raises what GATConv
+        raises)."""
+        return (not want_weights and plain_linear(self.lin, x)
+                and self.lin.bias is None)
 
     def _edge_weight(self) -> Tensor:
         """``att_edge`` folded into ``lin_edge``'s weight: W_eff [D, H]."""

@@ -87,19 +87,19 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
             assert x.dim() == 2
             if self.res is not None:
                 res = self.res(x)
-            x_l = self.lin_l(x).view(-1, H, C)
+            x_l = self.run_linear(self.lin_l, x).view(-1, H, C)
             if self.share_weights:
                 x_r = x_l
             else:
-                x_r = self.lin_r(x).view(-1, H, C)
+                x_r = self.run_linear(self.lin_r, x).view(-1, H, C)
         else:
             x_l, x_r = x[0], x[1]
             assert x[0].dim() == 2
             if x_r is not None and self.res is not None:
                 res = self.res(x_r)
-            x_l = self.lin_l(x_l).view(-1, H, C)
+            x_l = self.run_linear(self.lin_l, x_l).view(-1, H, C)
             if x_r is not None:
-                x_r = self.lin_r(x_r).view(-1, H, C)
+                x_r = self.run_linear(self.lin_r, x_r).view(-1, H, C)
 
         assert x_l is not None
         assert x_r is not None

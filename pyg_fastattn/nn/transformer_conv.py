@@ -78,9 +78,9 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         H, C = self.heads, self.out_channels
         if isinstance(x, Tensor):
             x = (x, x)
-        query = self.lin_query(x[1]).view(-1, H, C)
-        key = self.lin_key(x[0]).view(-1, H, C)
-        value = self.lin_value(x[0]).view(-1, H, C)
+        query = self.run_linear(self.lin_query, x[1]).view(-1, H, C)
+        key = self.run_linear(self.lin_key, x[0]).view(-1, H, C)
+        value = self.run_linear(self.lin_value, x[0]).view(-1, H, C)
 
         graph = self.prepare_graph(edge_index, key, query, None, edge_attr)
         if self.lin_edge is None:
@@ -99,7 +99,7 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
             out = out.mean(dim=1)
 
         if self.root_weight:
-            x_r = self.lin_skip(x[1])
+            x_r = self.run_linear(self.lin_skip, x[1])
             if self.lin_beta is not None:
                 beta = self.lin_beta(torch.cat([out, x_r, out - x_r], dim=-1))
                 beta = beta.sigmoid()

@@ -1,0 +1,176 @@
+"""``ops.linear`` and ``ops.column_sum``: against ``F.linear`` / ``sum(0)``
+in float64 and per dtype, gradcheck, autocast, determinism, and the layers'
+use of them (PyG's plain ``Linear`` only; subclasses and hooks call the
+module)."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch_geometric.nn.dense.linear import Linear
+
+import pyg_fastattn
+from pyg_fastattn import FastGATv2Conv, FastTransformerConv, ops
+from pyg_fastattn.nn.base import plain_linear
+
+from conftest import DEVICES, requires_cuda
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('with_bias', [True, False])
+def test_linear_matches_f_linear(backend, device, with_bias):
+    d = dict(dtype=torch.float64, device=device, requires_grad=True)
+    x, w = torch.randn(37, 11, **d), torch.randn(6, 11, **d)
+    b = torch.randn(6, **d) if with_bias else None
+    g = torch.randn(37, 6, dtype=torch.float64, device=device)
+    inputs = [t for t in (x, w, b) if t is not None]
+    y = ops.linear(x, w, b)
+    want = F.linear(x, w, b)
+    torch.testing.assert_close(y, want)
+    got = torch.autograd.grad(y, inputs, g)
+    exp = torch.autograd.grad(want, inputs, g)
+    for a, e in zip(got, exp):
+        torch.testing.assert_close(a, e)
+    assert torch.autograd.gradcheck(
+        lambda *t: ops.linear(*t) if with_bias else ops.linear(*t, None),
+        [t.detach()[:5].clone().requires_grad_() if t is x else
+         t.detach().clone().requires_grad_() for t in inputs])
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_linear_partial_grads(backend, device):
+    """Only the inputs that need a gradient get one (x a plain input)."""
+    x = torch.randn(9, 4, device=device)
+    w = torch.randn(3, 4, device=device, requires_grad=True)
+    b = torch.randn(3, device=device)
+    gw, = torch.autograd.grad(ops.linear(x, w, b).sum(), [w])
+    torch.testing.assert_close(gw, torch.ones(9, 3, device=device).t() @ x)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('rows', [5, 40000])
+@pytest.mark.parametrize('dtype', [torch.float32, torch.float64,
+                                   torch.bfloat16])
+def test_column_sum(device, rows, dtype):
+    """Both sides of the GEMV threshold (CUDA): sum(0) within the dtype's
+    rounding, and the same bits twice."""
+    src = torch.randn(rows, 24, device=device).to(dtype)
+    want = src.double().sum(0)
+    got = ops.column_sum(src)
+    assert got.dtype == dtype and got.shape == (24, )
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 1e-2}
+    scale = src.double().abs().sum(0).clamp(min=1)
+    assert ((got.double() - want).abs() / scale).max() < tol[dtype]
+    assert torch.equal(ops.column_sum(src), got)
+
+
+def test_column_sum_rejects_bad_input():
+    with pytest.raises(RuntimeError, match='2-D'):
+        ops.column_sum(torch.randn(3))
+    with pytest.raises(RuntimeError, match='floating'):
+        ops.column_sum(torch.ones(3, 2, dtype=torch.long))
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_linear_rejects_bad_input(device):
+    x, w = torch.randn(4, 3, device=device), torch.randn(2, 3, device=device)
+    with pytest.raises(RuntimeError, match='in_features'):
+        ops.linear(torch.randn(4, 5, device=device), w, None)
+    with pytest.raises(RuntimeError, match='out_features'):
+        ops.linear(x, w, torch.randn(3, device=device))
+    with pytest.raises(RuntimeError, match='dtype'):
+        ops.linear(x.double(), w, None)
+
+
+@pytest.mark.parametrize('device', [
+    'cpu', pytest.param('cuda', marks=[pytest.mark.cuda, requires_cuda])])
+def test_linear_autocast(device):
+    """Under autocast all three inputs take its dtype, as F.linear's rule."""
+    dtype = torch.bfloat16
+    x = torch.randn(16, 8, device=device)
+    w = torch.randn(4, 8, device=device, requires_grad=True)
+    b = torch.randn(4, device=device, requires_grad=True)
+    with torch.autocast(device, dtype=dtype):
+        y = ops.linear(x, w, b)
+        want = F.linear(x, w, b)
+    assert y.dtype == want.dtype == dtype
+    torch.testing.assert_close(y, want)
+    gw, gb = torch.autograd.grad(y.float().sum(), [w, b])
+    assert gw.dtype == gb.dtype == torch.float32
+    torch.testing.assert_close(gb, torch.full_like(gb, 16.0))
+
+
+def test_plain_linear():
+    lin = Linear(8, 4)
+    x = torch.randn(3, 8)
+    assert plain_linear(lin, x)
+    assert not plain_linear(lin, torch.randn(3, 5))  # another width
+    assert not plain_linear(lin, x.double())  # another dtype
+    assert not plain_linear(lin, torch.randn(2, 3, 8))  # not 2-D
+    assert not plain_linear(torch.nn.Linear(8, 4), x)  # not PyG's
+
+    class Sub(Linear):
+        pass
+
+    assert not plain_linear(Sub(8, 4), x)
+    h = lin.register_forward_hook(lambda *a: None)
+    assert not plain_linear(lin, x)
+    h.remove()
+    assert plain_linear(lin, x)
+    assert not plain_linear(Linear(-1, 4), x)  # lazy, not initialized
+    h = torch.nn.modules.module.register_module_forward_hook(
+        lambda *a: None)
+    try:
+        assert not plain_linear(lin, x)
+    finally:
+        h.remove()
+
+
+def _count_linear(monkeypatch):
+    calls = []
+    real = pyg_fastattn.ops.linear
+
+    def counted(*args):
+        calls.append(args[1].shape)
+        return real(*args)
+
+    monkeypatch.setattr(pyg_fastattn.ops, 'linear', counted)
+    return calls
+
+
+LAYERS = [(FastGATv2Conv, ['lin_l', 'lin_r']),
+          (FastTransformerConv,
+           ['lin_query', 'lin_key', 'lin_value', 'lin_skip'])]
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('cls,lins', LAYERS)
+def test_layers_route_plain_linear(monkeypatch, device, cls, lins):
+    """Every biased plain Linear of the layer goes through ops.linear; with
+    a hook on one of them, that one is called as a module (the hook runs)
+    and the output does not change."""
+    torch.manual_seed(0)
+    conv = cls(8, 5, heads=2).to(device)
+    x = torch.randn(12, 8, device=device)
+    ei = torch.randint(12, (2, 40), device=device)
+    calls = _count_linear(monkeypatch)
+    out = conv(x, ei)
+    assert len(calls) == len(lins)
+    seen = []
+    h = getattr(conv, lins[0]).register_forward_hook(
+        lambda m, i, o: seen.append(o.shape))
+    calls.clear()
+    out2 = conv(x, ei)
+    h.remove()
+    assert len(calls) == len(lins) - 1 and len(seen) == 1
+    torch.testing.assert_close(out2, out)
+
+
+@pytest.mark.parametrize('cls,lins', LAYERS)
+def test_layers_lazy_linear(cls, lins):
+    """in_channels=-1: the first call initializes the lazy Linears, later
+    calls take ops.linear; the output is the same."""
+    torch.manual_seed(0)
+    conv = cls(-1, 5, heads=2)
+    x = torch.randn(12, 8)
+    ei = torch.randint(12, (2, 40))
+    out = conv(x, ei)
+    torch.testing.assert_close(conv(x, ei), out)
