@@ -116,7 +116,20 @@ def test_plain_linear():
     h.remove()
     assert plain_linear(lin, x)
     assert not plain_linear(Linear(-1, 4), x)  # lazy, not initialized
+    h = lin.register_full_backward_hook(lambda *a: None)
+    assert not plain_linear(lin, x)
+    h.remove()
+    h = lin.register_full_backward_pre_hook(lambda *a: None)
+    assert not plain_linear(lin, x)
+    h.remove()
+    assert plain_linear(lin, x)
     h = torch.nn.modules.module.register_module_forward_hook(
+        lambda *a: None)
+    try:
+        assert not plain_linear(lin, x)
+    finally:
+        h.remove()
+    h = torch.nn.modules.module.register_module_full_backward_hook(
         lambda *a: None)
     try:
         assert not plain_linear(lin, x)

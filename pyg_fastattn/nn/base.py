@@ -26,9 +26,10 @@ __all__ = ['FusedAttentionConv', 'AdditiveScore', 'plain_linear']
 def plain_linear(lin, x: Tensor) -> bool:
     """Whether an op may compute ``lin(x)`` in place of calling ``lin``:
     it is PyG's own ``Linear`` (not a subclass: LoRA, quantized),
-    initialized, without module hooks, and ``x`` is 2-D, of its width and
-    device, in its dtype or under autocast. Otherwise ``lin`` is called (and
-    raises what PyG raises)."""
+    initialized, without module hooks (forward or backward, its own or
+    global), and ``x`` is 2-D, of its width and device, in its dtype or
+    under autocast. Otherwise ``lin`` is called (and raises what PyG
+    raises)."""
     if type(lin) is not Linear:
         return False
     w = lin.weight
@@ -38,8 +39,11 @@ def plain_linear(lin, x: Tensor) -> bool:
             and (x.dtype == w.dtype
                  or torch.is_autocast_enabled(x.device.type))
             and not lin._forward_hooks and not lin._forward_pre_hooks
+            and not lin._backward_hooks and not lin._backward_pre_hooks
             and not hooks._global_forward_hooks
-            and not hooks._global_forward_pre_hooks)
+            and not hooks._global_forward_pre_hooks
+            and not hooks._global_backward_hooks
+            and not hooks._global_backward_pre_hooks)
 
 
 @dataclass
