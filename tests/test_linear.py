@@ -116,26 +116,19 @@ def test_plain_linear():
     h.remove()
     assert plain_linear(lin, x)
     assert not plain_linear(Linear(-1, 4), x)  # lazy, not initialized
-    h = lin.register_full_backward_hook(lambda *a: None)
-    assert not plain_linear(lin, x)
-    h.remove()
-    h = lin.register_full_backward_pre_hook(lambda *a: None)
-    assert not plain_linear(lin, x)
-    h.remove()
-    assert plain_linear(lin, x)
-    h = torch.nn.modules.module.register_module_forward_hook(
-        lambda *a: None)
-    try:
-        assert not plain_linear(lin, x)
-    finally:
-        h.remove()
-    h = torch.nn.modules.module.register_module_full_backward_hook(
-        lambda *a: None)
-    try:
-        assert not plain_linear(lin, x)
-    finally:
-        h.remove()
-
+    glob = torch.nn.modules.module
+    for register in (lin.register_full_backward_hook,
+                     lin.register_full_backward_pre_hook,
+                     glob.register_module_forward_hook,
+                     glob.register_module_forward_pre_hook,
+                     glob.register_module_full_backward_hook,
+                     glob.register_module_full_backward_pre_hook):
+        h = register(lambda *a: None)
+        try:
+            assert not plain_linear(lin, x), register.__name__
+        finally:
+            h.remove()
+        assert plain_linear(lin, x)
 
 def _count_linear(monkeypatch):
     calls = []
