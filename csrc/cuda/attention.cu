@@ -347,10 +347,13 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const RowInfo<A>& r, A aedge,
 // Registers and latency bound this kernel: capped at 128 registers so that
 // two blocks fit (1.8x faster than one on the H200 at 1M nodes / 20M edges,
 // 4 x 32: 17.6 -> 9.8 ms); the chunked index loads take one dependent round
-// trip out of every batch. LEAN (no a_edge, mask or CSR-order grad_z, no
-// streaming units, one head per lane) compiles without that code to 80
-// registers, so three blocks fit: the layer's fwd+bwd at that size went from
-// 17.9 to 14.75 ms.
+// trip out of every batch. MODE kBwdLean (no a_edge, mask or CSR-order
+// grad_z, no streaming units, one head per lane) compiles without that code
+// to 80 registers, so three blocks fit: the layer's fwd+bwd at that size
+// went from 17.9 to 14.75 ms. kBwdEdge (softmax_aggregate: a_edge, no a_src,
+// grad_z in CSR order, still no mask or streaming units) keeps the three
+// blocks (a few bytes spill): softmax_aggregate's fwd+bwd at 1M / 20M,
+// 8 x 16, went from 13.6 to 11.2 ms.
 //
 // PARTIAL: the split path's partials: block (w, tile) processes both slots
 // of CSC edge window w (window_part) with its 8 warps as for a block-shared
@@ -358,9 +361,11 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const RowInfo<A>& r, A aedge,
 // terms, then [H] grad_a_src terms; grad_z is written as usual); the
 // non-partial launch skips those columns and split_sum_kernel
 // adds the partials in window order.
-template <typename scalar_t, typename index_t, int V, int KHQ, bool LEAN,
+enum BwdMode { kBwdFull = 0, kBwdLean = 1, kBwdEdge = 2 };
+
+template <typename scalar_t, typename index_t, int V, int KHQ, int MODE,
           bool PARTIAL>
-__global__ void __launch_bounds__(kBlock, LEAN ? 3 : 2)
+__global__ void __launch_bounds__(kBlock, MODE == kBwdFull ? 2 : 3)
     attention_bwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
   constexpr int EB = KHQ == 1 && sizeof(scalar_t) <= 4 ? 4 : 1;
@@ -370,12 +375,13 @@ __global__ void __launch_bounds__(kBlock, LEAN ? 3 : 2)
   const int64_t D = static_cast<int64_t>(H) * L.C;
   const scalar_t* __restrict__ grad_out = a.grad_out;
   const RowInfo<A>* __restrict__ rinfo = a.rinfo;
-  // LEAN: no per-edge term (a_edge, mask, CSR-order grad_z) and no streaming
-  // units; the compiler drops that code and three blocks fit per SM.
-  const scalar_t* __restrict__ a_edge = LEAN ? nullptr : a.a_edge;
-  const scalar_t* __restrict__ mask = LEAN ? nullptr : a.mask;
-  const bool gz_csr = !LEAN && a.gz_csr;
-  const int KC = LEAN ? 1 : L.KC;
+  // kBwdLean: no per-edge term (a_edge, mask, CSR-order grad_z); kBwdEdge:
+  // no mask. Neither has streaming units: the compiler drops that code and
+  // three blocks fit per SM.
+  const scalar_t* __restrict__ a_edge = MODE == kBwdLean ? nullptr : a.a_edge;
+  const scalar_t* __restrict__ mask = MODE == kBwdFull ? a.mask : nullptr;
+  const bool gz_csr = MODE == kBwdEdge || (MODE == kBwdFull && a.gz_csr);
+  const int KC = MODE == kBwdFull ? L.KC : 1;
   auto col_body = [&](int64_t node, int rank, int nranks, int64_t start,
                       int64_t end, int64_t slot) {
     const LaneTile<KHQ> T =
@@ -442,7 +448,7 @@ __global__ void __launch_bounds__(kBlock, LEAN ? 3 : 2)
     A asrc[KHQ], vj[KHQ][V], acc[KHQ][V], gsrc[KHQ][1];
 #pragma unroll
     for (int kh = 0; kh < KHQ; ++kh) {
-      asrc[kh] = (a.a_src != nullptr && T.hok[kh])
+      asrc[kh] = (MODE != kBwdEdge && a.a_src != nullptr && T.hok[kh])
                      ? to_acc(a.a_src[j * H + T.h[kh]])
                      : A(0);
       gsrc[kh][0] = A(0);
@@ -779,26 +785,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
         part = at::empty({2 * a.sp.nwin, H * C + H}, lse.options());
         a.part_acc = part.data_ptr<A>();
       }
-      const bool lean = vec && L.khq == 1 && L.KC == 1 && !grad_z_csr &&
-                        !a_edge.defined() && !mask.defined();
-      if (lean) {
+      const bool lean = vec && L.khq == 1 && L.KC == 1 && !mask.defined();
+      auto launch_lean = [&](auto mode) {
+        constexpr int M = decltype(mode)::value;
         if (a.sp.nwin > 0) {
-          attention_bwd_kernel<scalar_t, index_t, VW, 1, true, true>
+          attention_bwd_kernel<scalar_t, index_t, VW, 1, M, true>
               <<<pgrid, kBlock, 0, stream>>>(a, L);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
-        attention_bwd_kernel<scalar_t, index_t, VW, 1, true, false>
+        attention_bwd_kernel<scalar_t, index_t, VW, 1, M, false>
             <<<grid, kBlock, 0, stream>>>(a, L);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      if (lean && !grad_z_csr && !a_edge.defined()) {
+        launch_lean(std::integral_constant<int, kBwdLean>());
+      } else if (lean && grad_z_csr && !a_src.defined()) {
+        launch_lean(std::integral_constant<int, kBwdEdge>());
       } else {
         dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
           constexpr int V = decltype(v)::value, KHQ = decltype(k)::value;
           if (a.sp.nwin > 0) {
-            attention_bwd_kernel<scalar_t, index_t, V, KHQ, false, true>
+            attention_bwd_kernel<scalar_t, index_t, V, KHQ, kBwdFull, true>
                 <<<pgrid, kBlock, 0, stream>>>(a, L);
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           }
-          attention_bwd_kernel<scalar_t, index_t, V, KHQ, false, false>
+          attention_bwd_kernel<scalar_t, index_t, V, KHQ, kBwdFull, false>
               <<<grid, kBlock, 0, stream>>>(a, L);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
