@@ -83,10 +83,14 @@ constexpr int64_t kGatScoreKernelElems = int64_t(1) << 24;
 constexpr int64_t kGatScoreRows = 64;
 
 // CUDA edge_softmax one-pass path: score elements a lane holds in registers
-// in the forward (the backward half as many of each of out and grad_out;
-// double half as many again). Rows whose span fits the lanes of their group
-// (at most a warp) are read once and written once.
-constexpr int kSoftmaxLaneElems = 16;
+// in the forward, and of each of out and grad_out in the backward (double:
+// half as many). Rows whose span fits the lanes of their group (at most a
+// warp) are read once and written once. Rows of more than
+// kSoftmaxSplitElems / H edges (clamped to [kSplitChunk, kSplitEdges]) take
+// the split path.
+constexpr int kSoftmaxLaneElems = 20;
+constexpr int kSoftmaxLaneElemsBwd = 12;
+constexpr int64_t kSoftmaxSplitElems = 16384;
 
 // Column sums of a [R, K] tensor (bias gradients, column_sum): on CUDA from
 // this many rows a GEMV against ones, which reads the rows at near copy

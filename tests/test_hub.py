@@ -71,6 +71,23 @@ def test_hub_edge_softmax(split, device, idx, dtype, heads):
 
 
 @pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('heads', [8, 16])
+def test_edge_softmax_split_by_elements(device, heads):
+    """CUDA edge_softmax splits rows of more than 16384 / heads edges
+    (kSoftmaxSplitElems, clamped to [2048, 4096]): rows just below, at and
+    above that threshold, among short rows, forward and backward."""
+    if not _build.load().native:
+        pytest.skip(f'native kernels unavailable: {_build.load().error}')
+    T = min(DEFAULT_SPLIT, max(2048, 16384 // heads))
+    deg = torch.tensor([3, T - 1, 0, T, 20, T + 1, 1, 2 * T + 3, 7])
+    rowptr, _ = csr_from_degrees(deg, 1, device=device)
+    s = _leaf(torch.randn(int(deg.sum()), heads, device=device) * 3,
+              torch.float32)
+    _check(lambda s: ops.edge_softmax(s, rowptr),
+           lambda s: R.edge_softmax(rowptr, s), [s], torch.float32)
+
+
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('idx', IDX)
 @pytest.mark.parametrize('dtype', DTYPES)
 @pytest.mark.parametrize('heads,C', [(1, 8), (4, 7), (8, 16), (2, 160)])

@@ -90,8 +90,9 @@ def test_edge_softmax_heads_dtypes(device, dtype, heads, offset):
     """Native kernels: rows of every start alignment (degrees 0..40, one of
     300), heads 1..64, 16- and 64-bit floats, scores starting one element
     past a 16-byte boundary (offset = 1). On CUDA these take the one-pass
-    vector path, the multi-pass path (odd heads, offset input, long rows) and
-    the block-cooperative one."""
+    vector path in groups of every size (rows that do not fit their group
+    wait for a larger one) and the multi-pass path (odd heads, offset input,
+    long rows)."""
     if not _build.load().native:
         pytest.skip(f'native kernels unavailable: {_build.load().error}')
     g = torch.Generator().manual_seed(heads)

@@ -10,16 +10,11 @@ namespace {
 template <bool kBwd, typename scalar_t> constexpr int unroll() {
   return (kBwd || sizeof(scalar_t) == 8) ? 8 : 16;
 }
-// Row size (elements) above which a warp of small groups processes its rows
-// one by one with all 32 lanes instead: a group walking a row of more than
-// 32 batches' worth of elements would take longer than the full warp walking
-// all R rows of the warp.
+// Row size (elements) above which a multi-pass row (one-pass path off) goes
+// to the whole warp instead of its group of lanes.
 template <bool kBwd, typename scalar_t> constexpr int64_t long_row_elems() {
   return static_cast<int64_t>(kWarp) * unroll<kBwd, scalar_t>();
 }
-// Row size (elements) above which all 8 warps of the block process the row
-// together (power-law rows).
-constexpr int64_t kCoopRow = 8192;
 
 template <typename scalar_t, typename index_t>
 struct SoftmaxArgs {
@@ -36,50 +31,36 @@ struct SoftmaxArgs {
                        // 16-byte aligned x / g / out)
 };
 
-template <typename scalar_t, typename index_t>
-__device__ __forceinline__ int64_t row_elems(
-    const SoftmaxArgs<scalar_t, index_t>& a, int64_t i) {
-  int64_t s, t;
-  row_range(a.rowptr, i, a.E, s, t);
-  return (t - s) * a.H;
-}
-
 // One-pass path: V = 16-byte vector width, K vectors per lane
-// (kSoftmaxLaneElems elements; half as many for double, whose accumulators
-// take two registers each).
+// (kSoftmaxLaneElems / kSoftmaxLaneElemsBwd elements; half as many for
+// double, whose accumulators take two registers each).
 template <bool kBwd, typename scalar_t> constexpr int onepass_v() {
   return vec_width<scalar_t>();
 }
 template <bool kBwd, typename scalar_t> constexpr int onepass_k() {
-  constexpr int elems = (kBwd ? kSoftmaxLaneElems / 2 : kSoftmaxLaneElems) /
+  constexpr int elems = (kBwd ? kSoftmaxLaneElemsBwd : kSoftmaxLaneElems) /
                         (sizeof(scalar_t) == 8 ? 2 : 1);
   constexpr int n = elems / onepass_v<kBwd, scalar_t>();
   return n < 1 ? 1 : n;
 }
 
-// Vector slots (V-element, 16-byte aligned) that row i's flat span
-// [start * H, end * H) touches.
-template <bool kBwd, typename scalar_t, typename index_t>
-__device__ __forceinline__ int64_t row_slots(
-    const SoftmaxArgs<scalar_t, index_t>& a, int64_t i) {
+// Vector slots (V-element, 16-byte aligned) that the flat span
+// [start * H, end * H) of a row touches.
+template <bool kBwd, typename scalar_t>
+__device__ __forceinline__ int64_t row_slots(int64_t start, int64_t end,
+                                             int H) {
   constexpr int V = onepass_v<kBwd, scalar_t>();
-  int64_t s, t;
-  row_range(a.rowptr, i, a.E, s, t);
-  if (s == t) return 0;
-  return (t * a.H + V - 1) / V - (s * a.H) / V;
+  if (start == end) return 0;
+  return (end * H + V - 1) / V - (start * H) / V;
 }
 
-// Row i takes the one-pass path with groups of 2^gs_log lanes: it is not
-// split and its span fits K slots per lane.
-template <bool kBwd, typename scalar_t, typename index_t>
-__device__ __forceinline__ bool onepass_fits(
-    const SoftmaxArgs<scalar_t, index_t>& a, int64_t i, int gs_log) {
-  if (!a.onepass) return false;
-  int64_t s, t;
-  row_range(a.rowptr, i, a.E, s, t);
-  return t - s <= a.sp.split &&
-         row_slots<kBwd>(a, i) <=
-             (static_cast<int64_t>(onepass_k<kBwd, scalar_t>()) << gs_log);
+// A row of edges [start, end) (not split) fits the one-pass registers of a
+// group of 2^gs_log lanes.
+template <bool kBwd, typename scalar_t>
+__device__ __forceinline__ bool onepass_fits(int64_t start, int64_t end,
+                                             int H, int gs_log) {
+  return row_slots<kBwd, scalar_t>(start, end, H) <=
+         (static_cast<int64_t>(onepass_k<kBwd, scalar_t>()) << gs_log);
 }
 
 // Combines v[t] over the positions t of one vector that share a head
@@ -108,7 +89,7 @@ __device__ __forceinline__ A max_nan_skip(A x, A y) {
 }
 
 // One-pass row: a group of GS = 2^gs_log lanes (gl = lane in group, gmask)
-// holds row `row`'s flat span [b, e) = [start * H, end * H) in registers.
+// holds a row's flat span [b, e) = [start * H, end * H) in registers.
 // Lane gl owns the V-element vector slots j = vb + gl + GS * k (k < K,
 // vb = b / V): a slot inside [b, e) is one 16-byte load / store, the partial
 // first / last slot goes element by element. With GS * V a multiple of H,
@@ -121,13 +102,11 @@ __device__ __forceinline__ A max_nan_skip(A x, A y) {
 // checks onepass_fits(); the condition is uniform over the group.
 template <bool kBwd, typename scalar_t, typename index_t>
 __device__ __forceinline__ void onepass_row(
-    const SoftmaxArgs<scalar_t, index_t>& a, int64_t row, int gl, int gs_log,
-    unsigned gmask) {
+    const SoftmaxArgs<scalar_t, index_t>& a, int64_t start, int64_t end,
+    int gl, int gs_log, unsigned gmask) {
   using A = acc_t<scalar_t>;
   constexpr int V = onepass_v<kBwd, scalar_t>();
   constexpr int K = onepass_k<kBwd, scalar_t>();
-  int64_t start, end;
-  row_range(a.rowptr, row, a.E, start, end);
   if (start == end) return;
   const int H = a.H;
   const int GS = 1 << gs_log;
@@ -237,32 +216,25 @@ __device__ __forceinline__ void onepass_row(
   }
 }
 
-// One row handled by a group of GS = 2^gs_log lanes (gl = lane in group,
-// gmask = the group's lanes) of warp `rank` out of `nranks` warps sharing
-// the row (nranks = 8 for block-cooperative rows, else 1). Lane
-// gl = es * HS + hs owns head h0 + hs and edges (rank*ES + es) + k*nranks*ES;
-// with HS == H (H dividing 32) this reads the row's [deg, H] block flat and
-// coalesced: lane gl reads flat elements gl + GS*k. Cross-warp statistics go
-// through shared memory (s_a, s_b: kWarpsPerBlock * 32 values each).
+// Multi-pass row of edges [start, end) (not split), handled by a group of
+// GS = 2^gs_log lanes (gl = lane in group, gmask = the group's lanes). Lane
+// gl = es * HS + hs owns head h0 + hs and edges es + k * ES; with HS == H
+// (H dividing 32) this reads the row's [deg, H] block flat and coalesced:
+// lane gl reads flat elements gl + GS*k.
 template <bool kBwd, typename scalar_t, typename index_t>
 __device__ __forceinline__ void softmax_row(
-    const SoftmaxArgs<scalar_t, index_t>& a, int64_t i, int gl, int gs_log,
-    unsigned gmask, int rank, int nranks, acc_t<scalar_t>* s_a,
-    acc_t<scalar_t>* s_b) {
+    const SoftmaxArgs<scalar_t, index_t>& a, int64_t start, int64_t end,
+    int gl, int gs_log, unsigned gmask) {
   using A = acc_t<scalar_t>;
-  int64_t start, end;
-  row_range(a.rowptr, i, a.E, start, end);
   const int64_t deg = end - start;
-  if (deg > a.sp.split) return;  // split path (uniform over the group / block)
   const int H = a.H;
   const int HS = 1 << a.hs_log;
   const int GS = 1 << gs_log;
   const int ES = GS >> a.hs_log;
   const int hs = gl & (HS - 1);
   const int es = gl >> a.hs_log;
-  const int64_t first = static_cast<int64_t>(rank) * ES + es;
-  const int64_t stride = static_cast<int64_t>(nranks) * ES;
-  const int sl = rank * kWarp + gl;  // shared-memory slot (coop rows only)
+  const int64_t first = es;
+  const int64_t stride = ES;
   constexpr int kUnroll = unroll<kBwd, scalar_t>();
   for (int h0 = 0; h0 < H; h0 += HS) {  // more than one round only if H > 32
     const int h = h0 + hs;
@@ -288,16 +260,6 @@ __device__ __forceinline__ void softmax_row(
         const A m2 = __shfl_xor_sync(gmask, m, off);
         const A s2 = __shfl_xor_sync(gmask, s, off);
         online_merge(m, s, m2, s2);
-      }
-      if (nranks > 1) {
-        s_a[sl] = m;
-        s_b[sl] = s;
-        __syncthreads();
-        m = s_a[gl];
-        s = s_b[gl];
-        for (int r = 1; r < nranks; ++r)
-          online_merge(m, s, s_a[r * kWarp + gl], s_b[r * kWarp + gl]);
-        __syncthreads();
       }
       online_finish(m, s);
       const A inv = fast_recip(s);
@@ -325,13 +287,6 @@ __device__ __forceinline__ void softmax_row(
         for (int u = 0; u < kUnroll; ++u) d += y[u] * gg[u];
       }
       d = xor_sum(d, HS, GS, gmask);
-      if (nranks > 1) {
-        s_a[sl] = d;
-        __syncthreads();
-        d = s_a[gl];
-        for (int r = 1; r < nranks; ++r) d += s_a[r * kWarp + gl];
-        __syncthreads();
-      }
       // pass 2: grad = out * (grad_out - d).
       if (hok) {
 #pragma unroll 4
@@ -343,98 +298,72 @@ __device__ __forceinline__ void softmax_row(
   }
 }
 
-// Rows are handed out R = 32 / GS per warp, GS lanes per row (GS chosen on
-// the host from the average row size, GS >= HS). If any of the warp's rows
-// has more than long_row_elems() elements, or (one-pass path on) an unsplit
-// row does not fit its group's registers, the warp instead walks its R rows
-// one after the other with all 32 lanes. A row that fits the lanes that take
-// it (onepass_fits) goes through onepass_row (read once, written once), any
-// other through softmax_row (multi-pass). Rows with more than kCoopRow
-// elements are processed first, one after the other, by all 8 warps of the
-// block (entries interleaved over the warps, statistics merged in shared
-// memory in a fixed order). Rows over the split threshold are skipped (left
-// to edge_softmax_part_kernel / edge_softmax_finish_kernel). Finally all
-// threads zero the entries outside every row ([rowptr[N], E)) with a
-// grid-stride loop.
-// Occupancy floor: 4 blocks/SM (<= 64 registers) for 2- and 4-byte types,
-// 3 (<= 80 registers; double exp needs more) for double.
+// Rows are handed out R = 32 / GS per warp, GS = 2^gs_log lanes per row
+// (chosen on the host so that an average row fits one group's one-pass
+// registers). Rows go through rounds of doubling group size: in a round of
+// groups of 2^p lanes, the warp's pending rows are taken 32 >> p at a time;
+// a row that fits the group's registers (onepass_fits) is read once and
+// written once (onepass_row); one that does not waits for the next round;
+// at p = 5 (the whole warp) it takes the multi-pass softmax_row. With the
+// one-pass path off (odd H, misaligned tensors) every row takes softmax_row
+// in the first round, except rows of more than long_row_elems() elements,
+// which wait for the whole warp. Rows over the split threshold are skipped
+// (left to edge_softmax_part_kernel / edge_softmax_finish_kernel). Finally
+// all threads zero the entries outside every row ([rowptr[N], E)) with a
+// grid-stride loop. No shared memory or block barrier: warps are
+// independent. Occupancy floor: 4 blocks/SM (<= 64 registers) for 2- and
+// 4-byte types, 3 (<= 80 registers; double exp needs more) for double.
 template <typename scalar_t> constexpr int softmax_min_blocks() {
   return sizeof(scalar_t) == 8 ? 3 : 4;
+}
+
+// Position of the n-th (0-based) set bit of m (n < popc(m)).
+__device__ __forceinline__ int nth_set_bit(unsigned m, int n) {
+  for (int k = 0; k < n; ++k) m &= m - 1;
+  return __ffs(m) - 1;
 }
 
 template <bool kBwd, typename scalar_t, typename index_t>
 __global__ void __launch_bounds__(kBlock, softmax_min_blocks<scalar_t>())
     edge_softmax_kernel(SoftmaxArgs<scalar_t, index_t> a, int gs_log) {
-  using A = acc_t<scalar_t>;
-  __shared__ int64_t s_coop[kWarpsPerBlock];
-  __shared__ A s_a[kWarpsPerBlock * kWarp];
-  __shared__ A s_b[kWarpsPerBlock * kWarp];
   const int64_t tail = tail_begin(a.rowptr, a.N, a.E);  // used at the end
   const int lane = lane_id();
-  const int wib = threadIdx.x >> 5;
-  const int64_t w = global_warp();
-  const int R = kWarp >> gs_log;
-  const int64_t row0 = w * R;
-  const int grp = lane >> gs_log;
-  const int gl = lane & ((1 << gs_log) - 1);
-  const int64_t i = row0 + grp;
-  const bool warp_valid = row0 < a.N;  // uniform over the warp
-  bool long_row = false, coop_any = false;
-  if (warp_valid) {
-    int64_t len = 0;
-    bool spill = false;  // unsplit, too big for the group's one-pass registers
-    if (i < a.N && gl == 0) {
-      int64_t rs, re;
-      row_range(a.rowptr, i, a.E, rs, re);
-      len = (re - rs) * a.H;
-      spill = a.onepass && gs_log < 5 && re > rs && re - rs <= a.sp.split &&
-              !onepass_fits<kBwd>(a, i, gs_log);
-    }
-    long_row = __any_sync(kFullMask,
-                          len > long_row_elems<kBwd, scalar_t>() || spill);
-    coop_any = __any_sync(kFullMask, len > kCoopRow);
-  }
-  if (lane == 0) s_coop[wib] = coop_any ? row0 : -1;
-  __syncthreads();
-  // Work list: first the block's coop rows (all warps, rank = wib), then
-  // this warp's own rows (its group's row, or all R rows if long_row),
-  // skipping coop rows. One call site each of onepass_row / softmax_row.
-  const unsigned gmask =
-      R == 1 ? kFullMask : (((1u << (1 << gs_log)) - 1u) << (grp << gs_log));
-  const int n_own = warp_valid ? (long_row ? R : 1) : 0;
-  int k = 0, kr = 0, own = 0;
-  while (true) {
-    int64_t row = -1;
-    bool coop = false;
-    while (k < kWarpsPerBlock) {  // block-uniform search
-      const int64_t r0 = s_coop[k];
-      if (r0 >= 0 && kr < R) {
-        const int64_t cand = r0 + kr;
-        ++kr;
-        if (cand < a.N && row_elems(a, cand) > kCoopRow) {
-          row = cand;
-          coop = true;
-          break;
-        }
-        continue;
+  const int64_t row0 = global_warp() * (kWarp >> gs_log);
+  if (row0 < a.N) {
+    const int64_t left = a.N - row0;
+    const int R0 = kWarp >> gs_log;
+    unsigned todo = left >= R0 ? (R0 == 32 ? kFullMask : (1u << R0) - 1u)
+                               : (1u << left) - 1u;
+    for (int p = gs_log; todo != 0; ++p) {  // warp-uniform
+      const int n = __popc(todo);
+      const int grp = lane >> p;
+      const int gl = lane & ((1 << p) - 1);
+      const unsigned gmask =
+          p == 5 ? kFullMask : (((1u << (1 << p)) - 1u) << (grp << p));
+      unsigned wait = 0;
+      for (int base = 0; base < n; base += kWarp >> p) {
+        const int idx = base + grp;
+        if (idx >= n) continue;
+        const int bit = nth_set_bit(todo, idx);
+        int64_t start, end;
+        row_range(a.rowptr, row0 + bit, a.E, start, end);
+        if (end - start > a.sp.split) continue;  // split path
+        const bool fits =
+            a.onepass && onepass_fits<kBwd, scalar_t>(start, end, a.H, p);
+        if (fits)
+          onepass_row<kBwd>(a, start, end, gl, p, gmask);
+        else if (p == 5 ||
+                 (!a.onepass &&
+                  (end - start) * a.H <= long_row_elems<kBwd, scalar_t>()))
+          softmax_row<kBwd>(a, start, end, gl, p, gmask);
+        else
+          wait |= 1u << bit;
       }
-      ++k;
-      kr = 0;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1)
+        wait |= __shfl_xor_sync(kFullMask, wait, o);
+      todo = wait;
     }
-    if (!coop) {
-      if (own >= n_own) break;
-      row = long_row ? row0 + own : i;
-      ++own;
-      if (row >= a.N || (coop_any && row_elems(a, row) > kCoopRow)) continue;
-    }
-    const bool full = coop || long_row;
-    if (!coop && onepass_fits<kBwd>(a, row, full ? 5 : gs_log))
-      onepass_row<kBwd>(a, row, full ? lane : gl, full ? 5 : gs_log,
-                        full ? kFullMask : gmask);
-    else
-      softmax_row<kBwd>(a, row, full ? lane : gl, full ? 5 : gs_log,
-                        full ? kFullMask : gmask, coop ? wib : 0,
-                        coop ? kWarpsPerBlock : 1, s_a, s_b);
   }
   zero_from(tail, a.E, a.H, a.out);
 }
@@ -603,7 +532,7 @@ at::Tensor launch_edge_softmax(const at::Tensor& rowptr_in,
     // (unroll() per lane) or, one-pass, its vector slots (one more for a
     // misaligned start) fill the group's K slots per lane; at least HS lanes.
     const int64_t per_lane = onepass ? K : unroll<kBwd, scalar_t>();
-    const int64_t need = onepass ? ceil_div(avg, V) + 1 : avg;
+    const int64_t need = onepass ? ceil_div(avg, V) + (H < V ? 1 : 0) : avg;
     int GS = next_pow2(std::max<int64_t>(1, ceil_div(need, per_lane)));
     GS = std::min(32, std::max(GS, HS));
     const int gs_log = log2_pow2(GS);
@@ -621,7 +550,14 @@ at::Tensor launch_edge_softmax(const at::Tensor& rowptr_in,
       a.hs_log = log2_pow2(HS);
       a.onepass = onepass;
       at::Tensor win, part;
-      a.sp = make_split(a.rowptr, N, E, x.options(), win);
+      // Long rows split by elements (a row a single warp walks stays
+      // bounded): more than kSoftmaxSplitElems / H edges, within
+      // [kSplitChunk, kSplitEdges].
+      const int64_t split = std::min<int64_t>(
+          kSplitEdges,
+          std::max<int64_t>(kSplitChunk, kSoftmaxSplitElems / H));
+      a.sp = make_split(a.rowptr, N, E, x.options(), win,
+                        split_plan(split, kSplitChunk));
       a.part = nullptr;
       if (a.sp.nwin > 0) {
         part = at::empty({2 * a.sp.nwin, H, 2},
