@@ -15,7 +15,8 @@
 #          that the CUDA kernels are native
 #   tests  python3 -m pytest tests -q (the whole suite, in TEST_SHARDS
 #          concurrent processes; cudatests: -m cuda -x only)
-#   ops    benchmarks/bench_ops.py --device $DEV
+#   ops    benchmarks/bench_ops.py --device $DEV (OPS_ONLY: its --only;
+#          OPS_ENV: an env assignment for a second, A/B run)
 #   gat    benchmarks/bench_gat.py --device $DEV --cuda-graph
 #   profile  benchmarks/profile_gat.py --device $DEV (not in the default set;
 #          PROFILE_CONV / PROFILE_ONLY / PROFILE_PROVIDERS / PROFILE_ROWS: its
@@ -192,7 +193,7 @@ collect() {
         done
         for f in "$BENCH/ops_$DEV.md" "$BENCH"/*_"$DEV".md "$BENCH"/ab/*_"$DEV".md "$BENCH"/cpu/*_cpu.md; do
             [ -f "$f" ] && {
-                case $f in */ab/*) echo "===== second run (${BENCH_ENV:-} ${PREPARE_ENV:-}): $(basename "$f") =====" ;; esac
+                case $f in */ab/*) echo "===== second run (${OPS_ENV:-} ${BENCH_ENV:-} ${PREPARE_ENV:-}): $(basename "$f") =====" ;; esac
                 cat "$f"
                 echo
             }
@@ -363,7 +364,14 @@ fi
 
 if [ $want_ops -eq 1 ]; then
     # --budget-s: start no new workload once the step's timeout is near
-    run_step ops "${T_OPS:-180}" "python3 benchmarks/bench_ops.py --device $DEV --out '$BENCH' --budget-s \$(( STEP_LIMIT > 80 ? STEP_LIMIT - 40 : STEP_LIMIT / 2 )) $quick"
+    # OPS_ONLY: its --only; OPS_ENV: an env assignment for a second run
+    # (A/B in one call; outputs in bench_out/ab, tables in the step's log)
+    runs=$([ -n "${OPS_ENV:-}" ] && echo 2 || echo 1)
+    run_step ops "${T_OPS:-180}" "share=\$(( STEP_LIMIT / $runs )); rc=0
+bench() { python3 benchmarks/bench_ops.py --device $DEV --budget-s \$(( share > 80 ? share - 40 : share / 2 )) $quick ${OPS_ONLY:+--only '$OPS_ONLY'} \"\$@\"; }
+bench --out '$BENCH' || rc=1
+${OPS_ENV:+echo '== again with $OPS_ENV'; (export $OPS_ENV; bench --out '$BENCH/ab') || rc=1}
+exit \$rc"
 fi
 
 if [ $want_gat -eq 1 ]; then
