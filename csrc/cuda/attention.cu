@@ -14,6 +14,29 @@ struct alignas(4 * sizeof(A)) RowInfo {
   A adst, lse, delta, pad;
 };
 
+// RowInfo without a_dst (softmax_aggregate's backward): half the bytes that
+// every CSC entry gathers.
+template <typename A>
+struct alignas(2 * sizeof(A)) RowInfoLD {
+  A lse, delta;
+};
+
+template <typename A>
+__device__ __forceinline__ A row_adst(const RowInfo<A>& r) { return r.adst; }
+template <typename A>
+__device__ __forceinline__ A row_adst(const RowInfoLD<A>&) { return A(0); }
+template <typename A>
+__device__ __forceinline__ void row_none(RowInfo<A>& r) {
+  r.adst = A(0);
+  r.lse = neg_inf<A>();  // alpha 0
+  r.delta = A(0);
+}
+template <typename A>
+__device__ __forceinline__ void row_none(RowInfoLD<A>& r) {
+  r.lse = neg_inf<A>();
+  r.delta = A(0);
+}
+
 template <typename scalar_t, typename index_t>
 struct AttnArgs {
   const index_t* rowptr;
@@ -86,7 +109,8 @@ struct AttnFwdWeight {
 // owns heads hs + HS*kh and unit cl of each).
 // Pass 1: per-head online max / sum of the scores; for each of its heads a
 //   lane takes edges (es * LH + cl) + ES*LH*k, so the row's (edge, head)
-//   pairs are split over all 32 lanes; merged over the cl and es lane bits.
+//   pairs are split over all 32 lanes (a_edge loads issued with the col
+//   loads, not after them); merged over the cl and es lane bits.
 // Pass 2: gather_accumulate (aggregate.cuh) with w = alpha * mask: lane
 //   (es, hs, cl) walks edges es + ES*k and accumulates its 16-byte unit of
 //   values[col[e]] for each of its heads; the ES edge slots are summed with
@@ -138,23 +162,32 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
   for (int64_t e0 = first; e0 < end; e0 += stride * U) {
     int64_t e[U], j[U];
     bool ok[U];
+    A ae[U][KHQ];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       e[u] = e0 + u * stride;
-      ok[u] = e[u] < end;
-      j[u] = ok[u] ? static_cast<int64_t>(a.col[e[u]]) : 0;
-      ok[u] = ok[u] && j[u] >= 0 && j[u] < a.Ns;
+      const bool in = e[u] < end;
+      j[u] = in ? static_cast<int64_t>(a.col[e[u]]) : 0;
+      // a_edge does not wait for col
+#pragma unroll
+      for (int kh = 0; kh < KHQ; ++kh)
+        ae[u][kh] = (in && a.a_edge != nullptr && T.hok[kh])
+                        ? to_acc(a.a_edge[e[u] * H + T.h[kh]])
+                        : A(0);
+      ok[u] = in && j[u] >= 0 && j[u] < a.Ns;
     }
     A x[U][KHQ];
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh)
-        x[u][kh] = (ok[u] && T.hok[kh])
-                       ? leaky(attn_z(a.a_src, a.a_edge, H, e[u], j[u],
-                                      T.h[kh], fn.adst[kh]),
-                               a.slope)
-                       : neg_inf<A>();
+      for (int kh = 0; kh < KHQ; ++kh) {
+        A z = A(0);  // the reference's order, as attn_z
+        if (a.a_src != nullptr && ok[u] && T.hok[kh])
+          z += to_acc(a.a_src[j[u] * H + T.h[kh]]);
+        z += fn.adst[kh];
+        if (a.a_edge != nullptr) z += ae[u][kh];
+        x[u][kh] = (ok[u] && T.hok[kh]) ? leaky(z, a.slope) : neg_inf<A>();
+      }
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
@@ -265,7 +298,7 @@ __global__ void __launch_bounds__(kBlock)
 // out[i, h] - bias[h]>} (delta summed over the G lanes by shuffles); all
 // threads also zero grad_z at the positions no warp visits: k >= colptr[Ns]
 // (CSC order) or e >= rowptr[N] (CSR).
-template <typename scalar_t, typename index_t, int V>
+template <typename scalar_t, typename index_t, int V, bool COMPACT>
 __global__ void __launch_bounds__(kBlock)
     bwd_prologue_kernel(AttnArgs<scalar_t, index_t> a,
                         const scalar_t* __restrict__ fout, int H, int64_t C,
@@ -305,12 +338,19 @@ __global__ void __launch_bounds__(kBlock)
     }
     d = xor_sum(d, 1, G);
     if (ok && lane % G == 0) {
-      RowInfo<A> r;
-      r.adst = a.a_dst != nullptr ? to_acc(a.a_dst[t]) : A(0);
-      r.lse = a.lse[t];
-      r.delta = d;
-      r.pad = A(0);
-      a.rinfo[t] = r;
+      if (COMPACT) {
+        RowInfoLD<A> r;
+        r.lse = a.lse[t];
+        r.delta = d;
+        reinterpret_cast<RowInfoLD<A>*>(a.rinfo)[t] = r;
+      } else {
+        RowInfo<A> r;
+        r.adst = a.a_dst != nullptr ? to_acc(a.a_dst[t]) : A(0);
+        r.lse = a.lse[t];
+        r.delta = d;
+        r.pad = A(0);
+        a.rinfo[t] = r;
+      }
     }
   }
   zero_from(tail, a.E, H, a.gz);
@@ -319,10 +359,10 @@ __global__ void __launch_bounds__(kBlock)
 // Recomputed forward weight of one (edge, head) for the backward, from the
 // row's packed terms: z = a_src + a_dst + a_edge (the reference's order),
 // alpha = exp(leaky(z) - lse) (0 where lse is not finite: fin = false).
-template <typename A>
-__device__ __forceinline__ A bwd_alpha(A asrc, const RowInfo<A>& r, A aedge,
+template <typename A, typename R>
+__device__ __forceinline__ A bwd_alpha(A asrc, const R& r, A aedge,
                                        A slope, A& z, bool& fin) {
-  z = asrc + r.adst + aedge;
+  z = asrc + row_adst(r) + aedge;
   fin = is_finite(r.lse);
   return fin ? pfa_exp(leaky(z, slope) - r.lse) : A(0);
 }
@@ -345,15 +385,14 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const RowInfo<A>& r, A aedge,
 // atomics: bitwise deterministic). Units beyond the first 32 of a head
 // (streaming mode) get their grad_values in extra passes over the column.
 // Registers and latency bound this kernel: capped at 128 registers so that
-// two blocks fit (1.8x faster than one on the H200 at 1M nodes / 20M edges,
-// 4 x 32: 17.6 -> 9.8 ms); the chunked index loads take one dependent round
-// trip out of every batch. MODE kBwdLean (no a_edge, mask or CSR-order
-// grad_z, no streaming units, one head per lane) compiles without that code
-// to 80 registers, so three blocks fit: the layer's fwd+bwd at that size
-// went from 17.9 to 14.75 ms. kBwdEdge (softmax_aggregate: a_edge, no a_src,
-// grad_z in CSR order, still no mask or streaming units) keeps the three
-// blocks (a few bytes spill): softmax_aggregate's fwd+bwd at 1M / 20M,
-// 8 x 16, went from 13.6 to 11.2 ms.
+// two blocks fit; the chunked index loads take one dependent round trip out
+// of every batch. MODE kBwdLean (no a_edge, mask or CSR-order grad_z, no
+// streaming units, one head per lane) compiles without that code to 80
+// registers, so three blocks fit (four in fp32: bwd_min_blocks). kBwdEdge
+// (softmax_aggregate: a_edge, no a_src or a_dst, grad_z in CSR order, still
+// no mask or streaming units) keeps three blocks (a few bytes spill) and
+// gathers the 8-byte RowInfoLD {lse, delta} per entry and head.
+// Measurements: RESULTS.md.
 //
 // PARTIAL: the split path's partials: block (w, tile) processes both slots
 // of CSC edge window w (window_part) with its 8 warps as for a block-shared
@@ -363,9 +402,19 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const RowInfo<A>& r, A aedge,
 // adds the partials in window order.
 enum BwdMode { kBwdFull = 0, kBwdLean = 1, kBwdEdge = 2 };
 
+// Resident blocks per SM a backward variant is compiled for (common.h).
+template <typename scalar_t, int MODE, bool PARTIAL>
+constexpr int bwd_min_blocks() {
+  return MODE == kBwdFull ? kAttnBwdBlocksFull
+         : (MODE == kBwdLean && !PARTIAL && sizeof(scalar_t) == 4)
+             ? kAttnBwdBlocksLeanFp32
+             : kAttnBwdBlocksLean;
+}
+
 template <typename scalar_t, typename index_t, int V, int KHQ, int MODE,
           bool PARTIAL>
-__global__ void __launch_bounds__(kBlock, MODE == kBwdFull ? 2 : 3)
+__global__ void __launch_bounds__(kBlock,
+                                  (bwd_min_blocks<scalar_t, MODE, PARTIAL>()))
     attention_bwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
   constexpr int EB = KHQ == 1 && sizeof(scalar_t) <= 4 ? 4 : 1;
@@ -373,14 +422,16 @@ __global__ void __launch_bounds__(kBlock, MODE == kBwdFull ? 2 : 3)
   __shared__ A s_red[kWarpsPerBlock * kWarp * KHQ * V];
   const int H = L.H;
   const int64_t D = static_cast<int64_t>(H) * L.C;
+  constexpr bool EDGE = MODE == kBwdEdge;
+  using RI = std::conditional_t<EDGE, RowInfoLD<A>, RowInfo<A>>;
   const scalar_t* __restrict__ grad_out = a.grad_out;
-  const RowInfo<A>* __restrict__ rinfo = a.rinfo;
+  const RI* __restrict__ rinfo = reinterpret_cast<const RI*>(a.rinfo);
   // kBwdLean: no per-edge term (a_edge, mask, CSR-order grad_z); kBwdEdge:
   // no mask. Neither has streaming units: the compiler drops that code and
   // three blocks fit per SM.
   const scalar_t* __restrict__ a_edge = MODE == kBwdLean ? nullptr : a.a_edge;
   const scalar_t* __restrict__ mask = MODE == kBwdFull ? a.mask : nullptr;
-  const bool gz_csr = MODE == kBwdEdge || (MODE == kBwdFull && a.gz_csr);
+  const bool gz_csr = EDGE || (MODE == kBwdFull && a.gz_csr);
   const int KC = MODE == kBwdFull ? L.KC : 1;
   auto col_body = [&](int64_t node, int rank, int nranks, int64_t start,
                       int64_t end, int64_t slot) {
@@ -424,7 +475,7 @@ __global__ void __launch_bounds__(kBlock, MODE == kBwdFull ? 2 : 3)
     };
     // Per-(edge, head) terms of a batch: row info, a_edge, mask.
     auto load_terms = [&](const index_t (&i)[EB], const index_t (&e)[EB],
-                          const bool (&ok)[EB], RowInfo<A> (&ri)[EB][KHQ],
+                          const bool (&ok)[EB], RI (&ri)[EB][KHQ],
                           A (&ae)[EB][KHQ], A (&mk)[EB][KHQ]) {
 #pragma unroll
       for (int b = 0; b < EB; ++b)
@@ -432,13 +483,10 @@ __global__ void __launch_bounds__(kBlock, MODE == kBwdFull ? 2 : 3)
         for (int kh = 0; kh < KHQ; ++kh) {
           const bool use = ok[b] && T.hok[kh];
           const int h = T.h[kh];
-          if (use) {
+          if (use)
             ri[b][kh] = rinfo[static_cast<int64_t>(i[b]) * H + h];
-          } else {
-            ri[b][kh].adst = A(0);
-            ri[b][kh].lse = neg_inf<A>();  // alpha 0
-            ri[b][kh].delta = A(0);
-          }
+          else
+            row_none(ri[b][kh]);
           const int64_t eh = static_cast<int64_t>(e[b]) * H + h;
           ae[b][kh] = (use && a_edge != nullptr) ? to_acc(a_edge[eh]) : A(0);
           mk[b][kh] = (use && mask != nullptr) ? to_acc(mask[eh]) : A(1);
@@ -448,7 +496,7 @@ __global__ void __launch_bounds__(kBlock, MODE == kBwdFull ? 2 : 3)
     A asrc[KHQ], vj[KHQ][V], acc[KHQ][V], gsrc[KHQ][1];
 #pragma unroll
     for (int kh = 0; kh < KHQ; ++kh) {
-      asrc[kh] = (MODE != kBwdEdge && a.a_src != nullptr && T.hok[kh])
+      asrc[kh] = (!EDGE && a.a_src != nullptr && T.hok[kh])
                      ? to_acc(a.a_src[j * H + T.h[kh]])
                      : A(0);
       gsrc[kh][0] = A(0);
@@ -464,7 +512,7 @@ __global__ void __launch_bounds__(kBlock, MODE == kBwdFull ? 2 : 3)
 
     walk([&](const index_t (&i)[EB], const index_t (&e)[EB], int64_t k0,
              const bool (&wr)[EB], const bool (&ok)[EB]) {
-      RowInfo<A> ri[EB][KHQ];
+      RI ri[EB][KHQ];
       A ae[EB][KHQ], mk[EB][KHQ];
       load_terms(i, e, ok, ri, ae, mk);
       Vec<scalar_t, V> raw[EB][KHQ];
@@ -560,7 +608,7 @@ __global__ void __launch_bounds__(kBlock, MODE == kBwdFull ? 2 : 3)
       zero_acc<V, 1>(acc2);
       walk([&](const index_t (&i)[EB], const index_t (&e)[EB], int64_t,
                const bool (&)[EB], const bool (&ok)[EB]) {
-        RowInfo<A> ri[EB][KHQ];
+        RI ri[EB][KHQ];
         A ae[EB][KHQ], mk[EB][KHQ];
         load_terms(i, e, ok, ri, ae, mk);
 #pragma unroll
@@ -735,7 +783,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
   at::Tensor gz = at::empty({E, H}, values.options());  // tail zeroed in-kernel
   at::Tensor gsrc = at::empty({Ns, H}, values.options());
   if (Ns * H == 0) return {gvalues, gz.zero_(), gsrc};
-  // RowInfo [N, H] as raw bytes (4 accumulators each).
+  // RowInfo [N, H] as raw bytes (4 accumulators each; the kBwdEdge launch
+  // uses the first half as RowInfoLD).
   at::Tensor rinfo = at::empty({std::max<int64_t>(N * H, 1), 4}, lse.options());
   PFA_DISPATCH_FLOATS(values.scalar_type(), "attention_backward_cuda", [&] {
     PFA_DISPATCH_INDEX(rowptr.scalar_type(), "attention_backward_cuda", [&] {
@@ -761,19 +810,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
       const int64_t blocks =
           std::min<int64_t>(ceil_div(std::max<int64_t>(N * H, E * H), kBlock),
                             int64_t(num_sms()) * 16);
-      auto prologue = [&](auto v) {
+      auto prologue = [&](auto v, auto compact) {
         const int G = next_pow2(
             std::min<int64_t>(ceil_div(C, int64_t(decltype(v)::value)), kWarp));
-        bwd_prologue_kernel<scalar_t, index_t, decltype(v)::value>
+        bwd_prologue_kernel<scalar_t, index_t, decltype(v)::value,
+                            decltype(compact)::value>
             <<<std::max<int64_t>(blocks, 1), kBlock, 0, stream>>>(
                 a, fout.data_ptr<scalar_t>(), static_cast<int>(H), C, G);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
-      if (vec)
-        prologue(std::integral_constant<int, VW>());
-      else
-        prologue(std::integral_constant<int, 1>());
       const TileLayout L = make_layout(H, C, vec ? VW : 1, false);
+      // The lean modes: one head per lane, no mask or streaming units.
+      // kBwdEdge (softmax_aggregate) reads RowInfoLD, written by its prologue.
+      const bool lean = vec && L.khq == 1 && L.KC == 1 && !mask.defined();
+      const bool edge = lean && grad_z_csr && !a_src.defined() &&
+                        !a_dst.defined();
+      if (edge)
+        prologue(std::integral_constant<int, VW>(), std::true_type());
+      else if (vec)
+        prologue(std::integral_constant<int, VW>(), std::false_type());
+      else
+        prologue(std::integral_constant<int, 1>(), std::false_type());
       const dim3 grid = row_grid(Ns, L.n_tiles);
       a.coop = coop_edges(Ns, L.n_tiles);
       at::Tensor win, part;
@@ -785,7 +842,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
         part = at::empty({2 * a.sp.nwin, H * C + H}, lse.options());
         a.part_acc = part.data_ptr<A>();
       }
-      const bool lean = vec && L.khq == 1 && L.KC == 1 && !mask.defined();
       auto launch_lean = [&](auto mode) {
         constexpr int M = decltype(mode)::value;
         if (a.sp.nwin > 0) {
@@ -799,7 +855,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
       };
       if (lean && !grad_z_csr && !a_edge.defined()) {
         launch_lean(std::integral_constant<int, kBwdLean>());
-      } else if (lean && grad_z_csr && !a_src.defined()) {
+      } else if (edge) {
         launch_lean(std::integral_constant<int, kBwdEdge>());
       } else {
         dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
