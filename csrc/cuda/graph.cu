@@ -464,12 +464,14 @@ __global__ void __launch_bounds__(kGraphBlock)
   }
 }
 
-// CSC. One thread per CSC position k (grid-stride): the value sorted there
-// (row << 32 | CSR position e) gives inv[e] = k for e in [lo, hi) (the one
-// random access, a write) and, when first, perm[k] = e, row[k] and the
-// colptr entries of the sorted keys (ptr_at). csc_build launches it once
-// per range of e whose inv slice fits kGraphInvPassBytes, so the scatter of
-// each pass merges in L2; the values are read with an evict-first hint.
+// CSC. One thread per CSC position k (grid-stride). The first pass reads
+// the value sorted there (row << 32 | CSR position e) and writes perm[k] = e,
+// row[k] and the colptr entries of the sorted keys (ptr_at); later passes
+// read e back from perm (half the bytes when index_t is int32). Each pass
+// writes inv[e] = k for e in [lo, hi) (the one random access, a write):
+// csc_build launches it once per range of e whose inv slice fits
+// kGraphInvPassBytes, so the scatter of each pass merges in L2. Values and
+// perm are read with an evict-first hint.
 template <typename index_t>
 __global__ void csc_finish_kernel(const uint64_t* __restrict__ val,
                                   const uint32_t* __restrict__ keys,
@@ -480,15 +482,20 @@ __global__ void csc_finish_kernel(const uint64_t* __restrict__ val,
                                   index_t* __restrict__ row,
                                   index_t* __restrict__ colptr,
                                   int32_t* __restrict__ fallback) {
-  PFA_GRID_STRIDE(k, E) {
-    const uint64_t v =
-        __ldcs(reinterpret_cast<const unsigned long long*>(val) + k);
-    const int64_t e = static_cast<int64_t>(v & 0xffffffffu);
-    if (e >= lo && e < hi) inv[e] = static_cast<index_t>(k);
-    if (first) {
+  if (first) {
+    PFA_GRID_STRIDE(k, E) {
+      const uint64_t v =
+          __ldcs(reinterpret_cast<const unsigned long long*>(val) + k);
+      const int64_t e = static_cast<int64_t>(v & 0xffffffffu);
+      if (e < hi) inv[e] = static_cast<index_t>(k);  // lo == 0
       perm[k] = static_cast<index_t>(e);
       row[k] = static_cast<index_t>(v >> 32);
       ptr_at(keys, E, num_cols, k, colptr, fallback);
+    }
+  } else {
+    PFA_GRID_STRIDE(k, E) {
+      const int64_t e = static_cast<int64_t>(__ldcs(perm + k));
+      if (e >= lo && e < hi) inv[e] = static_cast<index_t>(k);
     }
   }
 }

@@ -221,6 +221,7 @@ std::vector<at::Tensor> gat_attention_backward(
   at::Tensor g_dst;  // CSR row sums; csc_inv maps CSR positions to CSC order
   if (a_dst.has_value())
     g_dst = call_segment_sum(rowptr, need_edge ? OptTensor() : OptTensor(csc_inv), g_z);
+  if (!need_edge) g_z = at::Tensor();  // free before the GEMMs
   at::Tensor g_h2 = g_h.view({Ns, HC});
   at::Tensor g_x, g_w, g_h_dst, g_att_src, g_att_dst;
   const bool through_x = weight.has_value() && !need_x && x->size(1) <= 2 * HC;
