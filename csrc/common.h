@@ -330,6 +330,7 @@ void check_csr_build(const at::Tensor& src, const at::Tensor& dst,
                      int64_t num_src, int64_t num_dst, bool add_self_loops);
 void check_csc_build(const at::Tensor& rowptr, const at::Tensor& col,
                      int64_t num_cols);
+void check_graph_lengths(const at::Tensor& rowptr, const at::Tensor& colptr);
 
 }  // namespace pyg_fastattn
 

@@ -470,6 +470,41 @@ def test_prepared_graph_max_lengths(device, idx, kind):
     assert graph.max_lengths == _lengths(graph.rowptr, graph.csc.colptr)
 
 
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('idx', IDX)
+def test_graph_lengths_op(device, idx):
+    """The native graph_lengths op (what max_lengths reads on CUDA): the
+    longest step of each pointer as a [2] int64 CPU tensor, 0 for a pointer
+    without rows, a decreasing step counted as 0; CUDA fills pinned memory
+    asynchronously (read after a synchronization)."""
+    if not _build.native_available(torch.device(device)):
+        pytest.skip(f'native kernels unavailable: {_build.load().error}')
+    op = torch.ops.pyg_fastattn.graph_lengths
+    g = torch.Generator().manual_seed(3)
+    rows = torch.randint(0, 40, (3000, ), generator=g)
+    rows[1234] = 700  # one hub row
+    cols = torch.randint(0, 3, (5, ), generator=g)
+    cases = [(rows, cols, (700, int(cols.max()))),
+             (cols, rows, (int(cols.max()), 700)),
+             (torch.zeros(0, dtype=torch.long), rows, (0, 700))]
+    for r, c, want in cases:
+        ptrs = [torch.cat([torch.zeros(1, dtype=torch.long), t.cumsum(0)])
+                .to(device, idx) for t in (r, c)]
+        got = op(*ptrs)
+        if device == 'cuda':
+            assert got.is_pinned()
+            torch.cuda.synchronize()
+        assert got.device.type == 'cpu' and got.dtype == torch.int64
+        assert tuple(got.tolist()) == want
+    down = torch.tensor([0, 5, 3, 9], dtype=idx, device=device)  # 5, -2, 6
+    got = op(down, down[:2])
+    if device == 'cuda':
+        torch.cuda.synchronize()
+    assert tuple(got.tolist()) == (6, 5)
+    with pytest.raises(RuntimeError, match='colptr'):
+        op(down, down.float())
+
+
 @pytest.mark.cuda
 @requires_cuda
 @pytest.mark.parametrize('hint', ['on', 'off'])

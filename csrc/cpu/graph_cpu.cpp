@@ -115,10 +115,27 @@ Outputs4 csc_build_cpu(const at::Tensor& rowptr_, const at::Tensor& col_,
   return {colptr, row, perm, inv};
 }
 
+// The longest row of each pointer (a decreasing step counts as 0).
+at::Tensor graph_lengths_cpu(const at::Tensor& rowptr_, const at::Tensor& colptr_) {
+  check_graph_lengths(rowptr_, colptr_);
+  at::Tensor out = at::zeros({2}, rowptr_.options().dtype(at::kLong));
+  int64_t* o = out.data_ptr<int64_t>();
+  const at::Tensor ptrs[2] = {rowptr_.contiguous(), colptr_.contiguous()};
+  for (int k = 0; k < 2; ++k) {
+    PFA_DISPATCH_INDEX(ptrs[k].scalar_type(), "graph_lengths_cpu", [&] {
+      const index_t* p = ptrs[k].const_data_ptr<index_t>();
+      for (int64_t i = 0; i + 1 < ptrs[k].numel(); ++i)
+        o[k] = std::max<int64_t>(o[k], static_cast<int64_t>(p[i + 1]) - p[i]);
+    });
+  }
+  return out;
+}
+
 }  // namespace
 }  // namespace pyg_fastattn
 
 TORCH_LIBRARY_IMPL(pyg_fastattn, CPU, m) {
+  m.impl("graph_lengths", &pyg_fastattn::graph_lengths_cpu);
   m.impl("csr_build", &pyg_fastattn::csr_build_cpu);
   m.impl("csc_build", &pyg_fastattn::csc_build_cpu);
 }

@@ -20,6 +20,7 @@
 // the sizes), so a uint64 value carries an index with its position through
 // the sort and no kernel gathers at random. cub's radix sort is stable, so
 // equal keys keep position order as torch's stable sort does.
+#include <ATen/core/CachingHostAllocator.h>
 #include <cub/cub.cuh>
 
 #include <tuple>
@@ -689,6 +690,71 @@ Outputs4 csc_build_cuda(const at::Tensor& rowptr_, const at::Tensor& col_,
   return {colptr, row, perm, inv};
 }
 
+// graph_lengths. One thread per pointer entry i of either pointer
+// (grid-stride over both): its row length (a decreasing step counts as 0),
+// a warp max, then one atomicMax per warp into out[k] (zeroed before).
+template <typename index_t>
+__global__ void lengths_kernel(const index_t* __restrict__ rowptr, int64_t N,
+                               const index_t* __restrict__ colptr, int64_t C,
+                               unsigned long long* __restrict__ out) {
+  unsigned long long r = 0, c = 0;
+  PFA_GRID_STRIDE(i, N > C ? N : C) {
+    if (i < N) {
+      const int64_t d = static_cast<int64_t>(rowptr[i + 1]) - rowptr[i];
+      if (d > 0 && static_cast<unsigned long long>(d) > r) r = d;
+    }
+    if (i < C) {
+      const int64_t d = static_cast<int64_t>(colptr[i + 1]) - colptr[i];
+      if (d > 0 && static_cast<unsigned long long>(d) > c) c = d;
+    }
+  }
+  for (int o = 16; o > 0; o >>= 1) {
+    const unsigned long long r2 = __shfl_down_sync(0xffffffffu, r, o);
+    const unsigned long long c2 = __shfl_down_sync(0xffffffffu, c, o);
+    r = r2 > r ? r2 : r;
+    c = c2 > c ? c2 : c;
+  }
+  if ((threadIdx.x & 31) == 0) {
+    if (r > 0) atomicMax(out, r);
+    if (c > 0) atomicMax(out + 1, c);
+  }
+}
+
+// The two maxima on the device, then one copy into pinned host memory on
+// the current stream (no synchronization: the caller waits on an event).
+at::Tensor graph_lengths_cuda(const at::Tensor& rowptr_, const at::Tensor& colptr_) {
+  check_graph_lengths(rowptr_, colptr_);
+  PFA_CHECK(rowptr_.scalar_type() == colptr_.scalar_type(),
+            "`rowptr` and `colptr` must have one dtype, got ",
+            rowptr_.scalar_type(), " and ", colptr_.scalar_type());
+  const c10::cuda::CUDAGuard guard(rowptr_.device());
+  cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const at::Tensor rowptr = rowptr_.contiguous(), colptr = colptr_.contiguous();
+  const int64_t N = rowptr.numel() - 1, C = colptr.numel() - 1;
+  at::Tensor dev = at::empty({2}, rowptr.options().dtype(at::kLong));
+  at::Tensor host = at::empty(
+      {2}, at::TensorOptions().dtype(at::kLong).pinned_memory(true));
+  C10_CUDA_CHECK(cudaMemsetAsync(dev.data_ptr(), 0, 2 * sizeof(int64_t), stream));
+  if (std::max(N, C) > 0) {
+    PFA_DISPATCH_INDEX(rowptr.scalar_type(), "graph_lengths_cuda", [&] {
+      lengths_kernel<index_t>
+          <<<graph_blocks(std::max(N, C)), kGraphBlock, 0, stream>>>(
+              rowptr.const_data_ptr<index_t>(), N,
+              colptr.const_data_ptr<index_t>(), C,
+              reinterpret_cast<unsigned long long*>(dev.data_ptr<int64_t>()));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  }
+  C10_CUDA_CHECK(cudaMemcpyAsync(host.data_ptr(), dev.data_ptr(),
+                                 2 * sizeof(int64_t), cudaMemcpyDeviceToHost,
+                                 stream));
+  // the pinned block is not handed out again before the copy has landed
+  at::getHostAllocator(at::kCUDA)->record_event(
+      host.data_ptr(), host.storage().data_ptr().get_context(),
+      at::cuda::getCurrentCUDAStream().unwrap());
+  return host;
+}
+
 #undef PFA_GRID_STRIDE
 
 }  // namespace
@@ -698,4 +764,5 @@ Outputs4 csc_build_cuda(const at::Tensor& rowptr_, const at::Tensor& col_,
 TORCH_LIBRARY_IMPL(pyg_fastattn, CUDA, m) {
   m.impl("csr_build", &pyg_fastattn::cuda::csr_build_cuda);
   m.impl("csc_build", &pyg_fastattn::cuda::csc_build_cuda);
+  m.impl("graph_lengths", &pyg_fastattn::cuda::graph_lengths_cuda);
 }

@@ -42,6 +42,12 @@ void check_csc_build(const at::Tensor& rowptr, const at::Tensor& col,
             col.numel(), " and ", num_cols);
 }
 
+void check_graph_lengths(const at::Tensor& rowptr, const at::Tensor& colptr) {
+  check_rowptr(rowptr, "rowptr");
+  check_rowptr(colptr, "colptr");
+  check_same_device(rowptr, colptr, "rowptr", "colptr");
+}
+
 }  // namespace pyg_fastattn
 
 TORCH_LIBRARY_FRAGMENT(pyg_fastattn, m) {
@@ -52,4 +58,9 @@ TORCH_LIBRARY_FRAGMENT(pyg_fastattn, m) {
   m.def(
       "csc_build(Tensor rowptr, Tensor col, int num_cols) -> (Tensor colptr, "
       "Tensor row, Tensor perm, Tensor inv)");
+  // [2] int64 on the CPU: the longest row of rowptr and of colptr (0 for
+  // none). From CUDA pointers the result is pinned memory that a copy on the
+  // current stream fills after the call returns: read it once an event
+  // recorded after the call has completed (PreparedGraph.max_lengths).
+  m.def("graph_lengths(Tensor rowptr, Tensor colptr) -> Tensor");
 }

@@ -141,13 +141,14 @@ class PreparedGraph:
         if st is None:
             rowptr, colptr = self.rowptr, self.csc.colptr
             with torch.cuda.device(dev):
-                if rowptr.numel() == colptr.numel() > 1:  # 3 launches
-                    d = torch.stack([rowptr, colptr]).diff().amax(1)
+                if _ext.native_available(dev):  # one launch and a copy
+                    host = torch.ops.pyg_fastattn.graph_lengths(rowptr, colptr)
                 else:
                     d = torch.stack([p.diff().amax() if p.numel() > 1 else
                                      p.new_zeros(()) for p in (rowptr, colptr)])
-                host = torch.full((2, ), -1, dtype=d.dtype, pin_memory=True)
-                host.copy_(d, non_blocking=True)
+                    host = torch.full((2, ), -1, dtype=d.dtype,
+                                      pin_memory=True)
+                    host.copy_(d, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(dev))
             self._lengths = (host, event)
