@@ -315,6 +315,9 @@ constexpr int kGraphItems = 8;
 // CUDA: the sort paths write pointer entries at key boundaries; a run of
 // empty rows longer than this sends the whole pointer to a binary search.
 constexpr int64_t kGraphPtrGap = 64;
+// CUDA: bytes of inv that csc_build scatters per pass (the slice stays in L2;
+// PYG_FASTATTN_INV_PASS_BYTES=n, tests, sets n).
+constexpr int64_t kGraphInvPassBytes = int64_t(16) << 20;
 
 // csr_build's status bits: a source outside [0, num_src), a destination
 // outside [0, num_dst), a destination smaller than the one before it (set

@@ -142,7 +142,8 @@ def attention(rowptr: Tensor, col: Tensor, a_src: Optional[Tensor],
               mask: Optional[Tensor], values: Tensor, negative_slope: float,
               bias: Optional[Tensor] = None, colptr: Optional[Tensor] = None,
               csc_row: Optional[Tensor] = None,
-              csc_perm: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+              csc_perm: Optional[Tensor] = None,
+              csc_inv: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     N = rowptr.numel() - 1
     _, H, C = values.shape
     t = _opmath(values.dtype)
@@ -193,7 +194,7 @@ def attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
 
 
 def gat_attention(rowptr: Tensor, col: Tensor, colptr: Tensor, csc_row: Tensor,
-                  csc_perm: Tensor, x: Optional[Tensor],
+                  csc_perm: Tensor, csc_inv: Tensor, x: Optional[Tensor],
                   weight: Optional[Tensor], h_src: Optional[Tensor],
                   att_src: Tensor, h_dst: Optional[Tensor], att_dst: Tensor,
                   a_edge: Optional[Tensor], mask: Optional[Tensor],
@@ -217,7 +218,7 @@ def gat_attention(rowptr: Tensor, col: Tensor, colptr: Tensor, csc_row: Tensor,
 
 def gat_attention_backward(grad_out: Tensor, rowptr: Tensor, col: Tensor,
                            colptr: Tensor, csc_row: Tensor, csc_perm: Tensor,
-                           x: Optional[Tensor],
+                           csc_inv: Tensor, x: Optional[Tensor],
                            weight: Optional[Tensor], h: Tensor,
                            att_src: Tensor, h_dst: Optional[Tensor],
                            att_dst: Tensor, a_src: Tensor, a_dst: Tensor,
@@ -233,12 +234,12 @@ def gat_attention_backward(grad_out: Tensor, rowptr: Tensor, col: Tensor,
     g_h, g_z, g_src = attention_backward(
         rowptr, col, colptr, csc_row, csc_perm, a_src,
         a_dst if has_dst else None, a_edge, mask, h, negative_slope, out, lse,
-        grad_out, True, bias)
+        grad_out, need_edge, bias)
     g_h = g_h + g_src.unsqueeze(-1) * att_src
     g_att_src = (g_src.unsqueeze(-1) * h).sum(0, keepdim=True)
     g_h_dst = g_att_dst = None
     if has_dst:
-        g_dst = segment_sum(rowptr, None, g_z)
+        g_dst = segment_sum(rowptr, None if need_edge else csc_inv, g_z)
         hd = h if dst_is_src else h_dst.reshape(-1, H, C)
         g_att_dst = (g_dst.unsqueeze(-1) * hd).sum(0, keepdim=True)
         if dst_is_src:

@@ -168,6 +168,22 @@ def test_csc_of_any_csr(device, dtype, size):
                     csr_to_csc(rowptr, col, n_cols, validate=False))
 
 
+@pytest.mark.cuda
+@requires_cuda
+@pytest.mark.parametrize('dtype', [torch.int32, torch.int64])
+@pytest.mark.parametrize('size,pass_bytes', [('small', 4), ('small', 1200),
+                                             ('tiles', 12000)])
+def test_csc_inv_in_passes(dtype, size, pass_bytes, monkeypatch):
+    """PYG_FASTATTN_INV_PASS_BYTES (read at every launch) splits the CUDA
+    inv scatter into passes of pass_bytes // index size entries (at least
+    1; the last range partial): the same CSC as the torch path."""
+    native_or_skip('cuda')
+    monkeypatch.setenv('PYG_FASTATTN_INV_PASS_BYTES', str(pass_bytes))
+    rowptr, col, num_cols = any_csr('cuda', dtype, size)
+    assert_same(torch.ops.pyg_fastattn.csc_build(rowptr, col, num_cols),
+                csr_to_csc(rowptr, col, num_cols, validate=False))
+
+
 @pytest.mark.parametrize('device', DEVICES)
 def test_small_dtypes_and_sparse_input(device):
     """int16 indices and sparse adjacencies go through the native build

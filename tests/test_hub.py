@@ -144,7 +144,7 @@ def test_hub_attention_backward_kernel(split, device, idx, dtype):
     a_edge[::5, 1] = float('-inf')
     mask = (torch.rand(E, H, **d) > 0.3).to(dtype) * 1.5
     out, lse = K.attention(rowptr, col, a_src, a_dst, a_edge, mask, v, 0.2,
-                           None, None, None, None)
+                           None, None, None, None, None)
     ref_out, ref_lse = R.attention(rowptr, col, a_src.double(), a_dst.double(),
                                    a_edge.double(), mask.double(), v.double(), 0.2)
     tol = dict(atol=1e-4, rtol=1e-4) if dtype == torch.float32 else {}

@@ -12,7 +12,7 @@ from graphs import csr_from_degrees, make_graph, noncontig
 GRAPHS = ['mixed', 'huge', 'empty', 'single', 'deg1']
 HC = [(1, 1), (4, 7), (8, 33), (1, 64), (8, 64)]
 IDX = [torch.int32, torch.int64]
-NO_CSC = (None, ) * 3  # the attention op's transpose arguments (backward only)
+NO_CSC = (None, ) * 4  # the attention op's transpose arguments (backward only)
 NO_BIAS_CSC = (None, ) + NO_CSC
 TOL = {torch.float64: 1e-10, torch.float32: 1e-4}
 
@@ -222,11 +222,10 @@ def test_reference_backward_matches_autograd(device):
     csc = ops.csr_to_csc(rowptr, col, Ns)
     gv_r, gz, gs = R.attention_backward(rowptr, col, *csc[:3], a_src, a_dst,
                                         a_edge, mask, v, 0.2, out, lse, go)
-    inv = torch.argsort(csc.perm)  # CSR position -> CSC position
-    torch.testing.assert_close(gz[inv], ga_edge)  # gz in CSC order
+    torch.testing.assert_close(gz[csc.inv], ga_edge)  # gz in CSC order
     torch.testing.assert_close(gv_r, gv)
     torch.testing.assert_close(gs, ga_src)
-    torch.testing.assert_close(R.segment_sum(rowptr, inv, gz), ga_dst)
+    torch.testing.assert_close(R.segment_sum(rowptr, csc.inv, gz), ga_dst)
     gz_csr = R.attention_backward(rowptr, col, *csc[:3], a_src, a_dst, a_edge,
                                   mask, v, 0.2, out, lse, go, True)[1]
     torch.testing.assert_close(gz_csr, ga_edge)
@@ -388,6 +387,7 @@ def test_csr_to_csc_roundtrip():
     assert torch.equal(col[csc.perm], torch.repeat_interleave(
         torch.arange(Ns), csc.colptr.diff()))
     assert torch.equal(csc.row, row[csc.perm])
+    assert torch.equal(csc.perm[csc.inv], torch.arange(col.numel()))
     for j in range(Ns):
         seg = csc.perm[csc.colptr[j]:csc.colptr[j + 1]]
         assert torch.equal(seg, seg.sort().values)

@@ -120,7 +120,7 @@ def test_native_ops_never_touch_out_of_bounds(device):
     K.segment_sum(rowptr, col, s)
     K.sddmm_dot(v, v, col, col)
     out, lse = K.attention(rowptr, col, None, None, s, None, v, 1.0,
-                           *(None, ) * 4)
+                           *(None, ) * 5)
     K.attention_backward(rowptr, col, t([0, 3, -2, 99]), t([7, -1, 2, 0]),
                          t([-5, 2, 100, 1]), None, None, s, None, v, 1.0, out,
                          lse, torch.randn_like(out))

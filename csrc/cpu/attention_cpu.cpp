@@ -69,7 +69,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cpu(
     const c10::optional<at::Tensor>& bias_,
     const c10::optional<at::Tensor>& /*colptr*/,
     const c10::optional<at::Tensor>& /*csc_row*/,
-    const c10::optional<at::Tensor>& /*csc_perm*/) {
+    const c10::optional<at::Tensor>& /*csc_perm*/,
+    const c10::optional<at::Tensor>& /*csc_inv*/) {
   check_attention(rowptr_, col_, a_src_, a_dst_, a_edge_, mask_, values_, bias_);
   const at::Tensor bias = cpu::contiguous_or_undefined(bias_);
   const Inputs in = contiguous_inputs(rowptr_, col_, a_src_, a_dst_, a_edge_, mask_, values_);

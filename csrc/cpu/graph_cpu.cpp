@@ -7,7 +7,7 @@
 namespace pyg_fastattn {
 namespace {
 
-using Outputs3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using Outputs5 =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
@@ -78,7 +78,7 @@ Outputs5 csr_build_cpu(const at::Tensor& src, const at::Tensor& dst,
 
 // The transpose: CSR positions sorted by key = column (num_cols past
 // rowptr[N]) with a counting sort; rows are walked alongside the positions.
-Outputs3 csc_build_cpu(const at::Tensor& rowptr_, const at::Tensor& col_,
+Outputs4 csc_build_cpu(const at::Tensor& rowptr_, const at::Tensor& col_,
                        int64_t num_cols) {
   check_csc_build(rowptr_, col_, num_cols);
   const at::Tensor rowptr = rowptr_.contiguous(), col = col_.contiguous();
@@ -86,6 +86,7 @@ Outputs3 csc_build_cpu(const at::Tensor& rowptr_, const at::Tensor& col_,
   at::Tensor colptr = at::empty({num_cols + 1}, rowptr.options());
   at::Tensor row = at::empty({E}, rowptr.options());
   at::Tensor perm = at::empty({E}, rowptr.options());
+  at::Tensor inv = at::empty({E}, rowptr.options());
   PFA_DISPATCH_INDEX(rowptr.scalar_type(), "csc_build_cpu", [&] {
     const index_t* rp = rowptr.const_data_ptr<index_t>();
     const index_t* cl = col.const_data_ptr<index_t>();
@@ -101,15 +102,17 @@ Outputs3 csc_build_cpu(const at::Tensor& rowptr_, const at::Tensor& col_,
       cp[k] = static_cast<index_t>(next[k]);
     index_t* ro = row.data_ptr<index_t>();
     index_t* pm = perm.data_ptr<index_t>();
+    index_t* iv = inv.data_ptr<index_t>();
     int64_t r = 0;  // rows j in [1, N] with rowptr[j] <= e (N past the rows)
     for (int64_t e = 0; e < E; ++e) {
       while (r < N && static_cast<int64_t>(rp[r + 1]) <= e) ++r;
       const int64_t k = next[key(e)]++;
       pm[k] = static_cast<index_t>(e);
+      iv[e] = static_cast<index_t>(k);
       ro[k] = static_cast<index_t>(r);
     }
   });
-  return {colptr, row, perm};
+  return {colptr, row, perm, inv};
 }
 
 // The longest row of each pointer (a decreasing step counts as 0).

@@ -392,8 +392,7 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const R& r, A aedge,
 // (softmax_aggregate: a_edge, no a_src or a_dst, grad_z in CSR order, still
 // no mask or streaming units) keeps three blocks (a few bytes spill) and
 // gathers the 8-byte RowInfoLD {lse, delta} per entry and head.
-// kBwdLeanCsr is kBwdLean with grad_z in CSR order (it also reads perm), so
-// GAT's grad_a_dst is a plain CSR row sum. Measurements: RESULTS.md.
+// Measurements: RESULTS.md.
 //
 // PARTIAL: the split path's partials: block (w, tile) processes both slots
 // of CSC edge window w (window_part) with its 8 warps as for a block-shared
@@ -401,14 +400,13 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const R& r, A aedge,
 // terms, then [H] grad_a_src terms; grad_z is written as usual); the
 // non-partial launch skips those columns and split_sum_kernel
 // adds the partials in window order.
-enum BwdMode { kBwdFull = 0, kBwdLean = 1, kBwdEdge = 2, kBwdLeanCsr = 3 };
+enum BwdMode { kBwdFull = 0, kBwdLean = 1, kBwdEdge = 2 };
 
 // Resident blocks per SM a backward variant is compiled for (common.h).
 template <typename scalar_t, int MODE, bool PARTIAL>
 constexpr int bwd_min_blocks() {
   return MODE == kBwdFull ? kAttnBwdBlocksFull
-         : ((MODE == kBwdLean || MODE == kBwdLeanCsr) && !PARTIAL &&
-            sizeof(scalar_t) == 4)
+         : (MODE == kBwdLean && !PARTIAL && sizeof(scalar_t) == 4)
              ? kAttnBwdBlocksLeanFp32
              : kAttnBwdBlocksLean;
 }
@@ -428,15 +426,12 @@ __global__ void __launch_bounds__(kBlock,
   using RI = std::conditional_t<EDGE, RowInfoLD<A>, RowInfo<A>>;
   const scalar_t* __restrict__ grad_out = a.grad_out;
   const RI* __restrict__ rinfo = reinterpret_cast<const RI*>(a.rinfo);
-  // kBwdLean: no per-edge term (a_edge, mask, CSR-order grad_z);
-  // kBwdLeanCsr: only CSR-order grad_z; kBwdEdge: no mask. None has
-  // streaming units: the compiler drops that code and three blocks fit per
-  // SM.
-  constexpr bool LEAN = MODE == kBwdLean || MODE == kBwdLeanCsr;
-  const scalar_t* __restrict__ a_edge = LEAN ? nullptr : a.a_edge;
+  // kBwdLean: no per-edge term (a_edge, mask, CSR-order grad_z); kBwdEdge:
+  // no mask. Neither has streaming units: the compiler drops that code and
+  // three blocks fit per SM.
+  const scalar_t* __restrict__ a_edge = MODE == kBwdLean ? nullptr : a.a_edge;
   const scalar_t* __restrict__ mask = MODE == kBwdFull ? a.mask : nullptr;
-  const bool gz_csr =
-      EDGE || MODE == kBwdLeanCsr || (MODE == kBwdFull && a.gz_csr);
+  const bool gz_csr = EDGE || (MODE == kBwdFull && a.gz_csr);
   const int KC = MODE == kBwdFull ? L.KC : 1;
   auto col_body = [&](int64_t node, int rank, int nranks, int64_t start,
                       int64_t end, int64_t slot) {
@@ -696,7 +691,8 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
     double negative_slope, const c10::optional<at::Tensor>& bias_in,
     const c10::optional<at::Tensor>& /*colptr*/,
     const c10::optional<at::Tensor>& /*csc_row*/,
-    const c10::optional<at::Tensor>& /*csc_perm*/) {
+    const c10::optional<at::Tensor>& /*csc_perm*/,
+    const c10::optional<at::Tensor>& /*csc_inv*/) {
   check_attention(rowptr_in, col_in, a_src_in, a_dst_in, a_edge_in, mask_in,
                   values_in, bias_in);
   c10::cuda::CUDAGuard guard(values_in.device());
@@ -859,8 +855,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
       };
       if (lean && !grad_z_csr && !a_edge.defined()) {
         launch_lean(std::integral_constant<int, kBwdLean>());
-      } else if (lean && !a_edge.defined() && !edge) {
-        launch_lean(std::integral_constant<int, kBwdLeanCsr>());
       } else if (edge) {
         launch_lean(std::integral_constant<int, kBwdEdge>());
       } else {

@@ -13,8 +13,9 @@
 //                order of the removed self-loops; clamps when dst decreases
 //                somewhere).
 // CSC:           tiled keys kernel -> cub radix sort (column, row << 32 | CSR
-//                position) -> finish kernel (perm, row and the pointer) ->
-//                pointer fallback.
+//                position) -> finish kernel (with the pointer; the inv
+//                scatter in passes over ranges of CSR positions that fit
+//                L2) -> pointer fallback.
 // Keys are uint32, positions and indices fit 31 bits (check_*_build bounds
 // the sizes), so a uint64 value carries an index with its position through
 // the sort and no kernel gathers at random. cub's radix sort is stable, so
@@ -30,7 +31,7 @@ namespace pyg_fastattn {
 namespace cuda {
 namespace {
 
-using Outputs3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using Outputs5 =
     std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
@@ -464,24 +465,52 @@ __global__ void __launch_bounds__(kGraphBlock)
   }
 }
 
-// CSC. One thread per CSC position k (grid-stride): reads the value sorted
-// there (row << 32 | CSR position e) with an evict-first hint and writes
-// perm[k] = e, row[k] and the colptr entries of the sorted keys (ptr_at).
+// CSC. One thread per CSC position k (grid-stride). The first pass reads
+// the value sorted there (row << 32 | CSR position e) and writes perm[k] = e,
+// row[k] and the colptr entries of the sorted keys (ptr_at); later passes
+// read e back from perm (half the bytes when index_t is int32). Each pass
+// writes inv[e] = k for e in [lo, hi) (the one random access, a write):
+// csc_build launches it once per range of e whose inv slice fits
+// kGraphInvPassBytes, so the scatter of each pass merges in L2. Values and
+// perm are read with an evict-first hint.
 template <typename index_t>
 __global__ void csc_finish_kernel(const uint64_t* __restrict__ val,
                                   const uint32_t* __restrict__ keys,
-                                  int64_t E, int64_t num_cols,
+                                  int64_t E, int64_t num_cols, int64_t lo,
+                                  int64_t hi, bool first,
                                   index_t* __restrict__ perm,
+                                  index_t* __restrict__ inv,
                                   index_t* __restrict__ row,
                                   index_t* __restrict__ colptr,
                                   int32_t* __restrict__ fallback) {
-  PFA_GRID_STRIDE(k, E) {
-    const uint64_t v =
-        __ldcs(reinterpret_cast<const unsigned long long*>(val) + k);
-    perm[k] = static_cast<index_t>(v & 0xffffffffu);
-    row[k] = static_cast<index_t>(v >> 32);
-    ptr_at(keys, E, num_cols, k, colptr, fallback);
+  if (first) {
+    PFA_GRID_STRIDE(k, E) {
+      const uint64_t v =
+          __ldcs(reinterpret_cast<const unsigned long long*>(val) + k);
+      const int64_t e = static_cast<int64_t>(v & 0xffffffffu);
+      if (e < hi) inv[e] = static_cast<index_t>(k);  // lo == 0
+      perm[k] = static_cast<index_t>(e);
+      row[k] = static_cast<index_t>(v >> 32);
+      ptr_at(keys, E, num_cols, k, colptr, fallback);
+    }
+  } else {
+    PFA_GRID_STRIDE(k, E) {
+      const int64_t e = static_cast<int64_t>(__ldcs(perm + k));
+      if (e >= lo && e < hi) inv[e] = static_cast<index_t>(k);
+    }
   }
+}
+
+// Entries of inv per csc_finish_kernel pass (at least 1): kGraphInvPassBytes,
+// or PYG_FASTATTN_INV_PASS_BYTES when set (tests), over index_bytes; read at
+// every launch.
+inline int64_t inv_pass_entries(int64_t index_bytes) {
+  int64_t bytes = kGraphInvPassBytes;
+  if (const char* env = std::getenv("PYG_FASTATTN_INV_PASS_BYTES")) {
+    const long long n = std::atoll(env);
+    if (n > 0) bytes = n;
+  }
+  return std::max<int64_t>(1, bytes / index_bytes);
 }
 
 // Stable sort of n (key, value) pairs by key bits [0, end_bit), in place
@@ -608,7 +637,7 @@ Outputs5 csr_build_cuda(const at::Tensor& src, const at::Tensor& dst,
   return {rowptr, col, perm, removed, status};
 }
 
-Outputs3 csc_build_cuda(const at::Tensor& rowptr_, const at::Tensor& col_,
+Outputs4 csc_build_cuda(const at::Tensor& rowptr_, const at::Tensor& col_,
                         int64_t num_cols) {
   check_csc_build(rowptr_, col_, num_cols);
   const c10::cuda::CUDAGuard guard(rowptr_.device());
@@ -620,6 +649,7 @@ Outputs3 csc_build_cuda(const at::Tensor& rowptr_, const at::Tensor& col_,
   at::Tensor colptr = at::empty({num_cols + 1}, opt);
   at::Tensor row = at::empty({E}, opt);
   at::Tensor perm = at::empty({E}, opt);
+  at::Tensor inv = at::empty({E}, opt);
   // Keys (two buffers), then the pointer fallback flag.
   at::Tensor keys = at::empty({2 * E + 1}, i32);
   at::Tensor vals = at::empty({2 * E}, opt.dtype(at::kLong));
@@ -641,17 +671,23 @@ Outputs3 csc_build_cuda(const at::Tensor& rowptr_, const at::Tensor& col_,
     sort_pairs(kb, vb, E, key_bits(num_cols), opt, stream);
     index_t* cp = colptr.data_ptr<index_t>();
     if (E > 0) {
-      csc_finish_kernel<index_t><<<graph_blocks(E), kGraphBlock, 0, stream>>>(
-          vb.Current(), kb.Current(), E, num_cols, perm.data_ptr<index_t>(),
-          row.data_ptr<index_t>(), cp, fallback);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      const int64_t pass = inv_pass_entries(sizeof(index_t));
+      for (int64_t lo = 0; lo < E; lo += pass) {
+        const int64_t hi = E - lo > pass ? lo + pass : E;
+        csc_finish_kernel<index_t>
+            <<<graph_blocks(E), kGraphBlock, 0, stream>>>(
+                vb.Current(), kb.Current(), E, num_cols, lo, hi, lo == 0,
+                perm.data_ptr<index_t>(), inv.data_ptr<index_t>(),
+                row.data_ptr<index_t>(), cp, fallback);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
     }
     ptr_fallback_kernel<index_t>
         <<<graph_blocks(num_cols + 1), kGraphBlock, 0, stream>>>(
             fallback, kb.Current(), E, num_cols, cp);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
-  return {colptr, row, perm};
+  return {colptr, row, perm, inv};
 }
 
 // graph_lengths. One thread per pointer entry i of either pointer

@@ -40,9 +40,9 @@ std::tuple<at::Tensor, at::Tensor> call_attention(
               const at::Tensor&, const at::Tensor&, const OptTensor&,
               const OptTensor&, const OptTensor&, const OptTensor&,
               const at::Tensor&, double, const OptTensor&, const OptTensor&,
-              const OptTensor&, const OptTensor&)>();
+              const OptTensor&, const OptTensor&, const OptTensor&)>();
   return op.call(rowptr, col, a_src, a_dst, a_edge, mask, values, slope, bias,
-                 c10::nullopt, c10::nullopt, c10::nullopt);
+                 c10::nullopt, c10::nullopt, c10::nullopt, c10::nullopt);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_attention_backward(
@@ -156,7 +156,8 @@ void check_gat(const OptTensor& x, const OptTensor& weight,
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 gat_attention(const at::Tensor& rowptr, const at::Tensor& col,
               const at::Tensor& /*colptr*/, const at::Tensor& /*csc_row*/,
-              const at::Tensor& /*csc_perm*/, const OptTensor& x, const OptTensor& weight,
+              const at::Tensor& /*csc_perm*/, const at::Tensor& /*csc_inv*/,
+              const OptTensor& x, const OptTensor& weight,
               const OptTensor& h_src, const at::Tensor& att_src,
               const OptTensor& h_dst, const at::Tensor& att_dst,
               const OptTensor& a_edge, const OptTensor& mask,
@@ -198,8 +199,8 @@ gat_attention(const at::Tensor& rowptr, const at::Tensor& col,
 std::vector<at::Tensor> gat_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& rowptr, const at::Tensor& col,
     const at::Tensor& colptr, const at::Tensor& csc_row,
-    const at::Tensor& csc_perm, const OptTensor& x, const OptTensor& weight,
-    const at::Tensor& h, const at::Tensor& att_src,
+    const at::Tensor& csc_perm, const at::Tensor& csc_inv, const OptTensor& x,
+    const OptTensor& weight, const at::Tensor& h, const at::Tensor& att_src,
     const OptTensor& h_dst, const at::Tensor& att_dst, const at::Tensor& a_src,
     const at::Tensor& a_dst_, const OptTensor& a_edge, const OptTensor& mask,
     const OptTensor& bias, const at::Tensor& out, const at::Tensor& lse,
@@ -214,13 +215,12 @@ std::vector<at::Tensor> gat_attention_backward(
   // The ops below run under no autograd (no double backward): skip their
   // Autograd kernels (segment_sum's is Python, host time on every call).
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  // grad_z in CSR order where it is used, so grad_a_dst is its row sum.
   auto [g_h, g_z, g_src] = call_attention_backward(
       rowptr, col, colptr, csc_row, csc_perm, a_src, a_dst, a_edge, mask, h,
-      negative_slope, out, lse, grad_out.contiguous(),
-      need_edge || a_dst.has_value(), bias);
-  at::Tensor g_dst;
-  if (a_dst.has_value()) g_dst = call_segment_sum(rowptr, c10::nullopt, g_z);
+      negative_slope, out, lse, grad_out.contiguous(), need_edge, bias);
+  at::Tensor g_dst;  // CSR row sums; csc_inv maps CSR positions to CSC order
+  if (a_dst.has_value())
+    g_dst = call_segment_sum(rowptr, need_edge ? OptTensor() : OptTensor(csc_inv), g_z);
   if (!need_edge) g_z = at::Tensor();  // free before the GEMMs
   at::Tensor g_h2 = g_h.view({Ns, HC});
   at::Tensor g_x, g_w, g_h_dst, g_att_src, g_att_dst;
@@ -286,23 +286,24 @@ using Outputs5 =
 
 Outputs5 call_gat_attention(
     const at::Tensor& rowptr, const at::Tensor& col, const at::Tensor& colptr,
-    const at::Tensor& csc_row, const at::Tensor& csc_perm, const OptTensor& x,
-    const OptTensor& weight, const OptTensor& h_src, const at::Tensor& att_src,
-    const OptTensor& h_dst, const at::Tensor& att_dst, const OptTensor& a_edge,
-    const OptTensor& mask, const OptTensor& bias, double slope,
-    bool dst_is_src, int64_t max_row_len, int64_t max_col_len) {
+    const at::Tensor& csc_row, const at::Tensor& csc_perm,
+    const at::Tensor& csc_inv, const OptTensor& x, const OptTensor& weight,
+    const OptTensor& h_src, const at::Tensor& att_src, const OptTensor& h_dst,
+    const at::Tensor& att_dst, const OptTensor& a_edge, const OptTensor& mask,
+    const OptTensor& bias, double slope, bool dst_is_src, int64_t max_row_len,
+    int64_t max_col_len) {
   static auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("pyg_fastattn::gat_attention", "")
           .typed<Outputs5(const at::Tensor&, const at::Tensor&,
                           const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, const OptTensor&,
-                          const OptTensor&, const OptTensor&,
+                          const at::Tensor&, const at::Tensor&,
+                          const OptTensor&, const OptTensor&, const OptTensor&,
                           const at::Tensor&, const OptTensor&,
                           const at::Tensor&, const OptTensor&,
                           const OptTensor&, const OptTensor&, double, bool,
                           int64_t, int64_t)>();
-  return op.call(rowptr, col, colptr, csc_row, csc_perm, x, weight,
+  return op.call(rowptr, col, colptr, csc_row, csc_perm, csc_inv, x, weight,
                  h_src, att_src, h_dst, att_dst, a_edge, mask, bias, slope,
                  dst_is_src, max_row_len, max_col_len);
 }
@@ -316,16 +317,16 @@ std::vector<at::Tensor> call_gat_attention_backward(
           .findSchemaOrThrow("pyg_fastattn::gat_attention_backward", "")
           .typed<decltype(gat_attention_backward)>();
   auto o = [&](size_t i) { return s[i].defined() ? OptTensor(s[i]) : c10::nullopt; };
-  return op.call(grad_out, s[0], s[1], s[2], s[3], s[4], o(5), o(6), s[7],
-                 s[8], o(9), s[10], s[11], s[12], o(13), o(14), o(15), s[16],
-                 s[17], slope, dst_is_src, output_mask, max_row_len,
+  return op.call(grad_out, s[0], s[1], s[2], s[3], s[4], s[5], o(6), o(7),
+                 s[8], s[9], o(10), s[11], s[12], s[13], o(14), o(15), o(16),
+                 s[17], s[18], slope, dst_is_src, output_mask, max_row_len,
                  max_col_len);
 }
 
 // The differentiable inputs (x, weight, h_src, att_src, h_dst, att_dst,
 // a_edge, bias) by their position among gat_attention's arguments.
-constexpr std::array<int, 8> kGradArgs = {5, 6, 7, 8, 9, 10, 11, 13};
-constexpr int kNumArgs = 18;
+constexpr std::array<int, 8> kGradArgs = {6, 7, 8, 9, 10, 11, 12, 14};
+constexpr int kNumArgs = 19;
 
 class GATAttentionFunction
     : public torch::autograd::Function<GATAttentionFunction> {
@@ -334,15 +335,15 @@ class GATAttentionFunction
       torch::autograd::AutogradContext* ctx, const at::Tensor& rowptr,
       const at::Tensor& col, const at::Tensor& colptr,
       const at::Tensor& csc_row, const at::Tensor& csc_perm,
-      const OptTensor& x, const OptTensor& weight, const OptTensor& h_src,
-      const at::Tensor& att_src, const OptTensor& h_dst,
-      const at::Tensor& att_dst, const OptTensor& a_edge,
-      const OptTensor& mask, const OptTensor& bias, double slope,
-      bool dst_is_src, int64_t max_row_len, int64_t max_col_len) {
+      const at::Tensor& csc_inv, const OptTensor& x, const OptTensor& weight,
+      const OptTensor& h_src, const at::Tensor& att_src,
+      const OptTensor& h_dst, const at::Tensor& att_dst,
+      const OptTensor& a_edge, const OptTensor& mask, const OptTensor& bias,
+      double slope, bool dst_is_src, int64_t max_row_len, int64_t max_col_len) {
     // needs_input_grad counts only the tensors that were passed: the
     // position of each differentiable argument among them (-1: None).
     const std::array<bool, kNumArgs> given = {
-        true, true, true, true, true, x.has_value(),
+        true, true, true, true, true, true, x.has_value(),
         weight.has_value(), h_src.has_value(), true, h_dst.has_value(), true,
         a_edge.has_value(), mask.has_value(), bias.has_value(), false, false,
         false, false};
@@ -356,15 +357,15 @@ class GATAttentionFunction
     Outputs5 r;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
-      r = call_gat_attention(rowptr, col, colptr, csc_row, csc_perm, x,
-                             weight, h_src, att_src, h_dst, att_dst, a_edge,
+      r = call_gat_attention(rowptr, col, colptr, csc_row, csc_perm, csc_inv,
+                             x, weight, h_src, att_src, h_dst, att_dst, a_edge,
                              mask, bias, slope, dst_is_src, max_row_len,
                              max_col_len);
     }
     auto& [out, lse, h, a_src, a_dst] = r;
     auto val = [](const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); };
     ctx->save_for_backward(
-        {rowptr, col, colptr, csc_row, csc_perm, val(x), val(weight),
+        {rowptr, col, colptr, csc_row, csc_perm, csc_inv, val(x), val(weight),
          weight.has_value() ? h : val(h_src), att_src, val(h_dst), att_dst,
          a_src, a_dst, val(a_edge), val(mask), val(bias), out, lse});
     ctx->saved_data["slope"] = slope;
@@ -400,13 +401,14 @@ class GATAttentionFunction
 
 Outputs5 gat_attention_autograd(
     const at::Tensor& rowptr, const at::Tensor& col, const at::Tensor& colptr,
-    const at::Tensor& csc_row, const at::Tensor& csc_perm, const OptTensor& x,
-    const OptTensor& weight, const OptTensor& h_src, const at::Tensor& att_src,
-    const OptTensor& h_dst, const at::Tensor& att_dst, const OptTensor& a_edge,
-    const OptTensor& mask, const OptTensor& bias, double slope,
-    bool dst_is_src, int64_t max_row_len, int64_t max_col_len) {
+    const at::Tensor& csc_row, const at::Tensor& csc_perm,
+    const at::Tensor& csc_inv, const OptTensor& x, const OptTensor& weight,
+    const OptTensor& h_src, const at::Tensor& att_src, const OptTensor& h_dst,
+    const at::Tensor& att_dst, const OptTensor& a_edge, const OptTensor& mask,
+    const OptTensor& bias, double slope, bool dst_is_src, int64_t max_row_len,
+    int64_t max_col_len) {
   auto r = GATAttentionFunction::apply(rowptr, col, colptr, csc_row, csc_perm,
-                                       x, weight, h_src, att_src,
+                                       csc_inv, x, weight, h_src, att_src,
                                        h_dst, att_dst, a_edge, mask, bias,
                                        slope, dst_is_src, max_row_len,
                                        max_col_len);

@@ -57,7 +57,7 @@ TORCH_LIBRARY_FRAGMENT(pyg_fastattn, m) {
       "Tensor csr_perm, Tensor removed, Tensor status)");
   m.def(
       "csc_build(Tensor rowptr, Tensor col, int num_cols) -> (Tensor colptr, "
-      "Tensor row, Tensor perm)");
+      "Tensor row, Tensor perm, Tensor inv)");
   // [2] int64 on the CPU: the longest row of rowptr and of colptr (0 for
   // none). From CUDA pointers the result is pinned memory that a copy on the
   // current stream fills after the call returns: read it once an event

@@ -546,8 +546,8 @@ def _csr_of(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
 
 
 def _csc_of(rowptr: Tensor, col: Tensor, num_src: int
-            ) -> Tuple[Tensor, Tensor, Tensor]:
-    """(colptr, csc_row, csc_perm): :func:`csr_to_csc`."""
+            ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(colptr, csc_row, csc_perm, csc_inv): :func:`csr_to_csc`."""
     if _use_native(col.device, col.numel(), num_src):
         return tuple(_csc_build_native(*index_pair(rowptr, col), num_src))
     return tuple(csr_to_csc(rowptr, col, num_src, validate=False))
@@ -579,7 +579,7 @@ def _(src, dst, num_src, num_dst, add_self_loops, is_sorted, dst_ptr):
 
 @torch.library.custom_op('pyg_fastattn::build_csc', mutates_args=())
 def _build_csc(rowptr: Tensor, col: Tensor, num_src: int
-               ) -> Tuple[Tensor, Tensor, Tensor]:
+               ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """:func:`_csc_of` as one op."""
     return _csc_of(rowptr, col, num_src)
 
@@ -588,7 +588,7 @@ def _build_csc(rowptr: Tensor, col: Tensor, num_src: int
 def _(rowptr, col, num_src):
     E = col.shape[0]
     new = lambda n: col.new_empty((n, ), dtype=rowptr.dtype)  # noqa: E731
-    return new(num_src + 1), new(E), new(E)
+    return new(num_src + 1), new(E), new(E), new(E)
 
 
 def _build(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
@@ -645,8 +645,11 @@ def _csc_from_transpose(T, src, dst, rowptr_dtype, num_src) -> Optional[CSC]:
     if colptr.numel() != num_src + 1:
         return None
     perm = perm.long()
+    inv = torch.empty_like(perm).scatter_(
+        0, perm, torch.arange(perm.numel(), device=perm.device))
     dt = rowptr_dtype
-    return CSC(colptr.to(dt), dst.long()[perm].to(dt), perm.to(dt))
+    return CSC(colptr.to(dt), dst.long()[perm].to(dt), perm.to(dt),
+               inv.to(dt))
 
 
 def _prepare(edge_index, num_src: Optional[int], num_dst: Optional[int],

@@ -17,13 +17,13 @@ from .csr import CSC, maybe_csc
 #   lse[i] = log sum_e exp(s[e])                 -> [N, H], float32 (float64)
 # Empty rows and rows whose s are all -inf give out = 0, lse = -inf. bias
 # (H * C elements, values' dtype) is added to every row of out (empty ones
-# too) in the same store. colptr/csc_row/csc_perm: the transpose
+# too) in the same store. colptr/csc_row/csc_perm/csc_inv: the transpose
 # (csr_to_csc), read only by the backward (built there when absent).
 _lib.define(
     'attention(Tensor rowptr, Tensor col, Tensor? a_src, Tensor? a_dst, '
     'Tensor? a_edge, Tensor? mask, Tensor values, float negative_slope, '
-    'Tensor? bias, Tensor? colptr, Tensor? csc_row, Tensor? csc_perm) '
-    '-> (Tensor, Tensor)')
+    'Tensor? bias, Tensor? colptr, Tensor? csc_row, Tensor? csc_perm, '
+    'Tensor? csc_inv) -> (Tensor, Tensor)')
 # (No defaults in differentiable ops: the dispatcher drops arguments equal to
 # their defaults, and the autograd formula must see every input.)
 # Gradients, in one pass over the transpose (colptr [Ns+1], row [E], perm
@@ -36,8 +36,8 @@ _lib.define(
 #   grad_a_src[j] = sum_{e = (j -> i)} grad_z[e]
 # Returns (grad_values [Ns, H, C], grad_z [E, H], grad_a_src [Ns, H]).
 # grad_z is in CSC order (entry k for CSC entry k; 0 at k >= colptr[Ns];
-# coalesced writes), or in CSR order with grad_z_csr (0 at e >= rowptr[N];
-# scattered writes). grad_a_dst is the CSR row sum of the latter.
+# coalesced writes), or in CSR order with grad_z_csr (0 at e >= rowptr[N]).
+# grad_a_dst is the CSR row sum of grad_z (in CSC order: of grad_z[inv]).
 _lib.define(
     'attention_backward(Tensor rowptr, Tensor col, Tensor colptr, '
     'Tensor row, Tensor perm, Tensor? a_src, Tensor? a_dst, Tensor? a_edge, '
@@ -47,7 +47,7 @@ _lib.define(
 
 
 def _fake(rowptr, col, a_src, a_dst, a_edge, mask, values, negative_slope,
-          bias=None, colptr=None, csc_row=None, csc_perm=None):
+          bias=None, colptr=None, csc_row=None, csc_perm=None, csc_inv=None):
     N, H = rowptr.shape[0] - 1, values.shape[1]
     out = values.new_empty((N, H, values.shape[2]))
     lse = values.new_empty((N, H),
@@ -75,7 +75,7 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _grad_lse):
     if grad_out is None:
-        return (None, ) * 12
+        return (None, ) * 13
     (rowptr, col, a_src, a_dst, a_edge, mask, values, bias, out, lse,
      *csc) = ctx.saved_tensors
     need = ctx.needs_input_grad
@@ -83,18 +83,19 @@ def _backward(ctx, grad_out, _grad_lse):
     csc = maybe_csc(csc, rowptr, col, values.size(0))
     g_values, g_z, g_src = _lib.op('attention_backward')(
         rowptr, col, csc.colptr, csc.row, csc.perm, a_src, a_dst, a_edge, mask,
-        values, ctx.negative_slope, out, lse, grad_out.contiguous(),
-        need_edge or need[3], bias)
+        values, ctx.negative_slope, out, lse, grad_out.contiguous(), need_edge,
+        bias)
     g_dst = None
-    if need[3]:  # CSR row sums of grad_z (CSR order)
-        g_dst = _lib.op('segment_sum')(rowptr, None, g_z)
+    if need[3]:  # CSR row sums; csc.inv maps CSR positions to CSC order
+        g_dst = _lib.op('segment_sum')(rowptr, None if need_edge else csc.inv,
+                                       g_z)
     g_bias = None
     if need[8]:
         g_bias = _lib.op('column_sum')(
             grad_out.reshape(-1, bias.numel())).view(bias.shape)
     return (None, None, g_src if need[2] else None, g_dst,
             g_z if need_edge else None, None,
-            g_values if need[6] else None, None, g_bias) + (None, ) * 3
+            g_values if need[6] else None, None, g_bias) + (None, ) * 4
 
 
 _lib.register('attention', fake=_fake, backward=_backward,
@@ -126,7 +127,7 @@ def attention(rowptr: Tensor, col: Tensor, values: Tensor,
     dt = values.dtype
     args = [t.to(dt) if t is not None else None
             for t in (a_src, a_dst, a_edge, mask)]
-    csc_args = tuple(csc) if csc is not None else (None, ) * 3
+    csc_args = tuple(csc) if csc is not None else (None, ) * 4
     out, lse = _lib.op('attention')(rowptr, col, *args, values,
                                     float(negative_slope), None, *csc_args)
     return (out, lse) if return_lse else out

@@ -15,11 +15,13 @@ class CSC(NamedTuple):
 
     ``colptr`` [num_cols + 1], ``row`` [E] (the CSR row of each CSC entry),
     ``perm`` [E] (the CSR position of each CSC entry), so that
-    ``col[perm[k]]`` is the column of CSC entry ``k``.
+    ``col[perm[k]]`` is the column of CSC entry ``k``, and ``inv`` [E] (its
+    inverse: the CSC position of each CSR position).
     """
     colptr: Tensor
     row: Tensor
     perm: Tensor
+    inv: Tensor
 
 
 def csr_to_csc(rowptr: Tensor, col: Tensor, num_cols: int,
@@ -42,8 +44,10 @@ def csr_to_csc(rowptr: Tensor, col: Tensor, num_cols: int,
     perm = torch.argsort(key, stable=True)
     bounds = torch.arange(num_cols + 1, device=col.device, dtype=key.dtype)
     colptr = torch.searchsorted(key[perm], bounds).to(rowptr.dtype)
+    inv = torch.empty_like(perm).scatter_(
+        0, perm, torch.arange(E, device=col.device))
     dt = rowptr.dtype
-    return CSC(colptr, row[perm].to(dt), perm.to(dt))
+    return CSC(colptr, row[perm].to(dt), perm.to(dt), inv.to(dt))
 
 
 def maybe_csc(csc: Optional[CSC], rowptr: Tensor, col: Tensor,

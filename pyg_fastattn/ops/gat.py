@@ -15,14 +15,14 @@ from .csr import CSC, maybe_csc
 # ``attention`` with values h_src and the bias added in its store.
 # Returns (out [N, H, C], lse [N, H] float32/64, h_src [Ns, H, C] when
 # computed from x (else empty), a_src [Ns, H], a_dst [N, H] (or empty)); the
-# last three are saved for the backward. colptr/csc_row/csc_perm: the
+# last three are saved for the backward. colptr/csc_row/csc_perm/csc_inv: the
 # transpose (csr_to_csc) that the backward walks. max_row_len / max_col_len:
 # the longest CSR row / CSC column when known, else -1 (a hint: CUDA skips
 # its long-row split path when no row needs it; results do not change).
 _lib.define(
     'gat_attention(Tensor rowptr, Tensor col, Tensor colptr, Tensor csc_row, '
-    'Tensor csc_perm, Tensor? x, Tensor? weight, Tensor? h_src, '
-    'Tensor att_src, Tensor? h_dst, Tensor att_dst, '
+    'Tensor csc_perm, Tensor csc_inv, Tensor? x, Tensor? weight, '
+    'Tensor? h_src, Tensor att_src, Tensor? h_dst, Tensor att_dst, '
     'Tensor? a_edge, Tensor? mask, Tensor? bias, float negative_slope, '
     'bool dst_is_src, int max_row_len, int max_col_len) '
     '-> (Tensor, Tensor, Tensor, Tensor, Tensor)')
@@ -31,7 +31,7 @@ _lib.define(
 # (given or computed), ``a_edge``'s gradient is in CSR order.
 _lib.define(
     'gat_attention_backward(Tensor grad_out, Tensor rowptr, Tensor col, '
-    'Tensor colptr, Tensor csc_row, Tensor csc_perm, '
+    'Tensor colptr, Tensor csc_row, Tensor csc_perm, Tensor csc_inv, '
     'Tensor? x, Tensor? weight, Tensor h, Tensor att_src, Tensor? h_dst, '
     'Tensor att_dst, Tensor a_src, Tensor a_dst, Tensor? a_edge, '
     'Tensor? mask, Tensor? bias, Tensor out, Tensor lse, '
@@ -39,7 +39,7 @@ _lib.define(
     'int max_row_len, int max_col_len) -> Tensor[]')
 
 
-def _fake(rowptr, col, colptr, csc_row, csc_perm, x, weight, h_src,
+def _fake(rowptr, col, colptr, csc_row, csc_perm, csc_inv, x, weight, h_src,
           att_src, h_dst, att_dst, a_edge, mask, bias, negative_slope,
           dst_is_src, max_row_len, max_col_len):
     _, H, C = att_src.shape
@@ -54,8 +54,8 @@ def _fake(rowptr, col, colptr, csc_row, csc_perm, x, weight, h_src,
             src.new_empty((N, H) if has_dst else (0, )))
 
 
-def _fake_backward(grad_out, rowptr, col, colptr, csc_row, csc_perm, x,
-                   weight, h, att_src, h_dst, att_dst, a_src, a_dst, a_edge,
+def _fake_backward(grad_out, rowptr, col, colptr, csc_row, csc_perm, csc_inv,
+                   x, weight, h, att_src, h_dst, att_dst, a_src, a_dst, a_edge,
                    mask, bias, out, lse, negative_slope, dst_is_src,
                    output_mask, max_row_len, max_col_len):
     likes = (x, weight, None if weight is not None else h, att_src, h_dst,
@@ -66,11 +66,12 @@ def _fake_backward(grad_out, rowptr, col, colptr, csc_row, csc_perm, x,
 
 
 def _setup_context(ctx, inputs, output):
-    (rowptr, col, colptr, csc_row, csc_perm, x, weight, h_src, att_src,
-     h_dst, att_dst, a_edge, mask, bias, slope, dst_is_src, *lengths) = inputs
+    (rowptr, col, colptr, csc_row, csc_perm, csc_inv, x, weight, h_src,
+     att_src, h_dst, att_dst, a_edge, mask, bias, slope, dst_is_src,
+     *lengths) = inputs
     out, lse, h, a_src, a_dst = output
-    ctx.save_for_backward(rowptr, col, colptr, csc_row, csc_perm, x, weight,
-                          h if weight is not None else h_src, att_src,
+    ctx.save_for_backward(rowptr, col, colptr, csc_row, csc_perm, csc_inv, x,
+                          weight, h if weight is not None else h_src, att_src,
                           h_dst, att_dst, a_src, a_dst, a_edge, mask, bias,
                           out, lse)
     ctx.negative_slope, ctx.dst_is_src = slope, dst_is_src
@@ -81,17 +82,17 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad_out, _lse, _h, _a_src, _a_dst):
     if grad_out is None:
-        return (None, ) * 18
+        return (None, ) * 19
     need = ctx.needs_input_grad
-    output_mask = [need[5], need[6], need[7], need[8], need[9], need[10],
-                   need[11], need[13]]
+    output_mask = [need[6], need[7], need[8], need[9], need[10], need[11],
+                   need[12], need[14]]
     grads = _lib.op('gat_attention_backward')(
         grad_out, *ctx.saved_tensors, ctx.negative_slope, ctx.dst_is_src,
         output_mask, *ctx.lengths)
     # empty: not needed, or the input takes no part (att_dst without h_dst)
     g = [t if want and t.numel() > 0 else None
          for t, want in zip(grads, output_mask)]
-    return (None, ) * 5 + tuple(g[:7]) + (None, g[7]) + (None, ) * 4
+    return (None, ) * 6 + tuple(g[:7]) + (None, g[7]) + (None, ) * 4
 
 
 _lib.register('gat_attention', fake=_fake, backward=_backward,

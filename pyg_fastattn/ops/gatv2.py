@@ -90,7 +90,7 @@ def _backward(ctx, grad_out, _grad_lse):
      *csc) = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_edge = bool(need[4]) and edge_term is not None
-    csc = maybe_csc(csc, rowptr, col, x_l.size(0))
+    csc = maybe_csc(list(csc) + [None], rowptr, col, x_l.size(0))
     g_l, g_r, g_e, g_att = _lib.op('gatv2_attention_backward')(
         rowptr, col, csc.colptr, csc.row, csc.perm, x_l, x_r, edge_term, att,
         mask, ctx.negative_slope, bias, out, lse, grad_out.contiguous(),
@@ -167,7 +167,7 @@ def gatv2_attention(rowptr: Tensor, col: Tensor, x_l: Tensor, x_r: Tensor,
     args = [t.to(dt) if t is not None else None
             for t in (x_r, edge_term, att.reshape(H, C), mask, bias)]
     x_r, edge_term, att, mask, bias = args
-    csc_args = tuple(csc) if csc is not None else (None, ) * 3
+    csc_args = tuple(csc)[:3] if csc is not None else (None, ) * 3
     out, lse = _lib.op('gatv2_attention')(rowptr, col, x_l, x_r, edge_term,
                                           att, mask, float(negative_slope),
                                           bias, *csc_args,

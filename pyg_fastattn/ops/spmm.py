@@ -39,7 +39,7 @@ def _spmm_backward(ctx, grad_out):
             gw = torch.zeros_like(weight).index_put_((weight_perm.long(), ),
                                                      gw)
     if ctx.needs_input_grad[4]:
-        t = maybe_csc(csc, rowptr, col, values.size(0))
+        t = maybe_csc(list(csc) + [None], rowptr, col, values.size(0))
         wperm = None
         if weight is not None:
             wperm = t.perm if weight_perm is None else weight_perm[t.perm.long()]
@@ -112,7 +112,7 @@ def spmm(rowptr: Tensor, col: Tensor, weights: Optional[Tensor], values: Tensor,
         elif w.size(1) != v.size(1):
             raise ValueError(f'`weights` has {w.size(1)} heads but `values` '
                              f'has {v.size(1)}')
-    csc_args = tuple(csc) if csc is not None else (None, ) * 3
+    csc_args = tuple(csc)[:3] if csc is not None else (None, ) * 3
     out = _lib.op('spmm')(rowptr, col, w, None, v, *csc_args)
     return out.squeeze(1) if squeeze else out
 

@@ -90,7 +90,7 @@ def _backward(ctx, grad_out, _grad_lse):
      *csc) = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_edge = bool(need[5]) and edge_term is not None
-    csc = maybe_csc(csc, rowptr, col, key.size(0))
+    csc = maybe_csc(list(csc) + [None], rowptr, col, key.size(0))
     g_q, g_k, g_v, g_e = _lib.op('transformer_attention_backward')(
         rowptr, col, csc.colptr, csc.row, csc.perm, query, key, value,
         edge_term, mask, ctx.scale, out, lse, grad_out.contiguous(),
@@ -171,7 +171,7 @@ def transformer_attention(rowptr: Tensor, col: Tensor, query: Tensor,
     query, value, edge_term, mask = [
         t.to(dt) if t is not None else None
         for t in (query, value, edge_term, mask)]
-    csc_args = tuple(csc) if csc is not None else (None, ) * 3
+    csc_args = tuple(csc)[:3] if csc is not None else (None, ) * 3
     out, lse = _lib.op('transformer_attention')(rowptr, col, query, key,
                                                 value, edge_term, mask,
                                                 float(scale), *csc_args,
