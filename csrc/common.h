@@ -100,12 +100,13 @@ constexpr int64_t kColumnSumGemvRows = 16384;
 
 // CUDA attention backward: resident blocks per SM its variants are compiled
 // for (__launch_bounds__): the full kernel (mask, a_edge, streaming units),
-// the lean ones (one head per lane, no mask), and the fp32 lean kernel
-// without per-edge terms (GAT), which is faster at 64 registers with a few
-// spills than at 80.
+// the lean ones (one head per lane, no mask), and the fp32 and bfloat16 lean
+// kernels without per-edge terms (GAT), which are faster at 64 registers
+// with a few spills than at 80 (float16 is not).
 constexpr int kAttnBwdBlocksFull = 2;
 constexpr int kAttnBwdBlocksLean = 3;
 constexpr int kAttnBwdBlocksLeanFp32 = 4;
+constexpr int kAttnBwdBlocksLeanBf16 = 4;
 
 struct SplitPlan {
   int64_t split;  // rows with more edges than this are split (>= chunk)

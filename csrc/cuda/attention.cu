@@ -388,10 +388,11 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const R& r, A aedge,
 // two blocks fit; the chunked index loads take one dependent round trip out
 // of every batch. MODE kBwdLean (no a_edge, mask or CSR-order grad_z, no
 // streaming units, one head per lane) compiles without that code to 80
-// registers, so three blocks fit (four in fp32: bwd_min_blocks). kBwdEdge
-// (softmax_aggregate: a_edge, no a_src or a_dst, grad_z in CSR order, still
-// no mask or streaming units) keeps three blocks (a few bytes spill) and
-// gathers the 8-byte RowInfoLD {lse, delta} per entry and head.
+// registers, so three blocks fit (four in fp32 and bfloat16:
+// bwd_min_blocks). kBwdEdge (softmax_aggregate: a_edge, no a_src or a_dst,
+// grad_z in CSR order, still no mask or streaming units) keeps three blocks
+// (a few bytes spill) and gathers the 8-byte RowInfoLD {lse, delta} per
+// entry and head.
 // Measurements: RESULTS.md.
 //
 // PARTIAL: the split path's partials: block (w, tile) processes both slots
@@ -405,9 +406,11 @@ enum BwdMode { kBwdFull = 0, kBwdLean = 1, kBwdEdge = 2 };
 // Resident blocks per SM a backward variant is compiled for (common.h).
 template <typename scalar_t, int MODE, bool PARTIAL>
 constexpr int bwd_min_blocks() {
+  constexpr bool lean = MODE == kBwdLean && !PARTIAL;
   return MODE == kBwdFull ? kAttnBwdBlocksFull
-         : (MODE == kBwdLean && !PARTIAL && sizeof(scalar_t) == 4)
-             ? kAttnBwdBlocksLeanFp32
+         : (lean && sizeof(scalar_t) == 4) ? kAttnBwdBlocksLeanFp32
+         : (lean && std::is_same<scalar_t, at::BFloat16>::value)
+             ? kAttnBwdBlocksLeanBf16
              : kAttnBwdBlocksLean;
 }
 
