@@ -366,7 +366,8 @@ def transformer_attention(rowptr: Tensor, col: Tensor, query: Tensor,
                           scale: float, colptr: Optional[Tensor] = None,
                           csc_row: Optional[Tensor] = None,
                           csc_perm: Optional[Tensor] = None,
-                          max_row_len: int = -1, max_col_len: int = -1
+                          max_row_len: int = -1, max_col_len: int = -1,
+                          grads_in_place: bool = False
                           ) -> Tuple[Tensor, Tensor]:
     N = rowptr.numel() - 1
     _, H, C = key.shape
@@ -425,6 +426,25 @@ def transformer_attention_backward(rowptr: Tensor, col: Tensor,
     else:
         grad_edge = key.new_empty((0, ))
     return grad_q.to(dt), grad_k.to(dt), grad_v.to(dt), grad_edge
+
+
+def transformer_attention_backward_(rowptr: Tensor, col: Tensor,
+                                    colptr: Tensor, csc_row: Tensor,
+                                    csc_perm: Tensor, query: Tensor,
+                                    key: Tensor, value: Tensor,
+                                    edge_term: Optional[Tensor],
+                                    mask: Optional[Tensor], scale: float,
+                                    out: Tensor, lse: Tensor,
+                                    grad_out: Tensor, need_edge: bool,
+                                    max_row_len: int = -1,
+                                    max_col_len: int = -1) -> Tensor:
+    g_q, g_k, g_v, g_e = transformer_attention_backward(
+        rowptr, col, colptr, csc_row, csc_perm, query, key, value, edge_term,
+        mask, scale, out, lse, grad_out, need_edge, max_row_len, max_col_len)
+    out.copy_(g_q)
+    key.copy_(g_k)
+    value.copy_(g_v)
+    return g_e
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:

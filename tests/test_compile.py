@@ -85,15 +85,19 @@ def _op_cases(device, idx):
                                       0.2, None, out2, lse2,
                                       torch.randn_like(out2), False, -1, -1)),
         ('transformer_attention', (rowptr, col, q, v, val, e_t, t['mask'],
-                                   0.5, *tuple(csc)[:3], *lens)),
+                                   0.5, *tuple(csc)[:3], *lens, False)),
         ('transformer_attention', (rowptr, col, q, v, val, None, None, 1.0,
-                                   None, None, None, -1, -1)),
+                                   None, None, None, -1, -1, False)),
         ('transformer_attention_backward', (
             rowptr, col, *tuple(csc)[:3], nd(q), nd(v), nd(val), nd(e_t),
             t['mask'], 0.5, out3, lse3, torch.randn_like(out3), True, *lens)),
         ('transformer_attention_backward', (
             rowptr, col, *tuple(csc)[:3], nd(q), nd(v), nd(val), None, None,
             0.5, out3, lse3, torch.randn_like(out3), False, -1, -1)),
+        ('transformer_attention_backward_', (
+            rowptr, col, *tuple(csc)[:3], nd(q), nd(v).clone(),
+            nd(val).clone(), nd(e_t), t['mask'], 0.5, out3.clone(), lse3,
+            torch.randn_like(out3), True, *lens)),
         ('linear', (x, w, bias)),
         ('linear', (x, w, None)),
         ('linear_backward', (torch.randn(N, H * C, device=x.device), nd(x),

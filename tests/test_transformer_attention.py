@@ -13,8 +13,8 @@ from pyg_fastattn import _build, ops, reference
 from pyg_fastattn.ops._lib import use_reference
 
 from conftest import DEVICES
-from graphs import (assert_deterministic, csr_from_degrees, make_graph,
-                    noncontig)
+from graphs import (assert_bitwise, assert_deterministic, csr_from_degrees,
+                    make_graph, noncontig)
 from test_gatv2 import _check_half, _grads, _misaligned
 
 KINDS = ['mixed', 'huge', 'empty', 'single', 'deg1']
@@ -211,12 +211,19 @@ def test_opcheck(backend, device, idx, terms):
     csc_args = tuple(csc)[:3] if terms else (None, ) * 3
     lens = ((int(rowptr.diff().max()), int(csc.colptr.diff().max()))
             if terms else (-1, -1))
-    fwd = (rowptr, col, *leaves, m, SCALE, *csc_args, *lens)
+    fwd = (rowptr, col, *leaves, m, SCALE, *csc_args, *lens, False)
     torch.library.opcheck(torch.ops.pyg_fastattn.transformer_attention.default,
                           fwd)
+    # grads_in_place=True lets the backward overwrite the op's own output,
+    # which the AOT utility compares after a backward: the other three.
+    torch.library.opcheck(
+        torch.ops.pyg_fastattn.transformer_attention.default,
+        fwd[:-1] + (True, ),
+        test_utils=('test_schema', 'test_autograd_registration',
+                    'test_faketensor'))
     nd = [t.detach() if t is not None else None for t in leaves]
     out, lse = torch.ops.pyg_fastattn.transformer_attention(
-        rowptr, col, *nd, m, SCALE, *csc_args, *lens)
+        rowptr, col, *nd, m, SCALE, *csc_args, *lens, False)
     bwd = (rowptr, col, *tuple(csc)[:3], *nd, m, SCALE, out, lse,
            torch.randn_like(out), terms, *lens)
     torch.library.opcheck(
@@ -246,7 +253,8 @@ def test_native_kernels_match_reference(device, kind, dtype, terms):
 
     def run():
         out, lse = K.transformer_attention(rowptr, col, q, k, v, e_t, m,
-                                           SCALE, *tuple(csc)[:3], *lens)
+                                           SCALE, *tuple(csc)[:3], *lens,
+                                           False)
         grads = [K.transformer_attention_backward(
             rowptr, col, *tuple(csc)[:3], q, k, v, e_t, m, SCALE, out, lse,
             go, need, *lens) for need in (False, True)]
@@ -291,9 +299,10 @@ def test_positions_outside_rows(device):
     csc_p = ops.csr_to_csc(rp_p, col_p, k.size(0), validate=False)
     go = torch.randn_like(q)
     out, lse = K.transformer_attention(rowptr, col, q, k, v, e_t, m, SCALE,
-                                       None, None, None, -1, -1)
+                                       None, None, None, -1, -1, False)
     out_p, lse_p = K.transformer_attention(rp_p, col_p, q, k, v, e_p, m_p,
-                                           SCALE, None, None, None, -1, -1)
+                                           SCALE, None, None, None, -1, -1,
+                                           False)
     torch.testing.assert_close(out_p, out)
     torch.testing.assert_close(lse_p, lse)
     g = K.transformer_attention_backward(rowptr, col, *tuple(csc)[:3], q, k,
@@ -321,7 +330,7 @@ def test_native_kernels_never_touch_out_of_bounds(device):
                torch.randn(3, 2, 5, **d))
     e_t, m = torch.randn(4, 2, 5, **d), torch.rand(4, 2, **d)
     out, lse = K.transformer_attention(rowptr, col, q, k, v, e_t, m, 1.0,
-                                       None, None, None, -1, -1)
+                                       None, None, None, -1, -1, False)
     K.transformer_attention_backward(rowptr, col, t([0, 3, -2, 99]),
                                      t([7, -1, 2, 0]), t([-5, 2, 100, 1]), q,
                                      k, v, e_t, m, 1.0, out, lse,
@@ -439,7 +448,7 @@ def test_checks():
     if not _build.native_available(torch.device('cpu')):
         return
     K = torch.ops.pyg_fastattn
-    rest = (None, ) * 3 + (-1, -1)  # no transpose, no length hint
+    rest = (None, ) * 3 + (-1, -1, False)  # no transpose, no length hint
     kernel_bad = [
         ((rowptr, col, q.float(), k, v, e_t, m, 1.0, *rest), 'query'),
         ((rowptr, col, q, k, v.float(), e_t, m, 1.0, *rest), 'value'),
@@ -467,3 +476,112 @@ def test_checks():
         args[pos] = value
         with pytest.raises(RuntimeError, match=text):
             K.transformer_attention_backward(*args)
+
+
+def _hub_column_inputs(device, idx, dtype):
+    """3000 rows of degree 2, each with an edge from source 0 (a column
+    longer than the CUDA split threshold) and one random source."""
+    N, Ns, H, C = 3000, 50, 2, 8
+    rowptr = torch.arange(0, 2 * N + 1, 2)
+    col = torch.stack([torch.zeros(N, dtype=torch.long),
+                       torch.randint(1, Ns, (N, ))], 1).flatten()
+    d = dict(dtype=dtype, device=device)
+    return (rowptr.to(device, idx), col.to(device, idx),
+            torch.randn(N, H, C, **d), torch.randn(Ns, H, C, **d),
+            torch.randn(Ns, H, C, **d), None, None)
+
+
+def _in_place_grads(inputs, in_place):
+    """Output and the gradients of query, key, value (and edge_term) of the
+    op called with grads_in_place; the inputs' producers are clones, so
+    the op's key and value are its own."""
+    rowptr, col, q, k, v, e_t, m = inputs
+    leaves = [t.detach().clone().requires_grad_() if t is not None else None
+              for t in (q, k, v, e_t)]
+    q_, k_, v_ = (t * 1 for t in leaves[:3])  # fresh non-leaf buffers
+    out = ops.transformer_attention(rowptr, col, q_, k_, v_, leaves[3], m,
+                                    SCALE, grads_in_place=in_place)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(3),
+                     dtype=torch.float64).to(out)
+    kept = out.detach().clone()
+    out.backward(go)
+    grads = [t.grad for t in leaves if t is not None]
+    return kept, grads, out
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('kind', ['mixed', 'huge', 'empty', 'hub_column'])
+@pytest.mark.parametrize('dtype', [torch.float64, torch.float32,
+                                   torch.bfloat16])
+@pytest.mark.parametrize('idx', [torch.int32, torch.int64])
+def test_grads_in_place_equal(backend, device, kind, dtype, idx):
+    """grads_in_place=True gives the gradients of the out-of-place backward
+    bit for bit (hub rows and a hub column take the split path on CUDA),
+    and it really overwrote the op's out with grad_query."""
+    torch.manual_seed(0)
+    if kind == 'hub_column':
+        inputs = _hub_column_inputs(device, idx, dtype)
+    else:
+        inputs = _inputs(kind, device, idx, dtype, edge=kind == 'mixed',
+                         mask=kind != 'empty')
+    out_a, g_a, _ = _in_place_grads(inputs, False)
+    out_b, g_b, spent = _in_place_grads(inputs, True)
+    assert_bitwise([out_a] + g_a, [out_b] + g_b, 'in place')
+    if out_b.numel():
+        assert torch.equal(spent.detach(), g_b[0])  # out now holds grad_query
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_grads_in_place_second_backward_raises(backend, device):
+    """A second backward after the in-place one raises a clear error, and
+    the out-of-place op backpropagates twice."""
+    inputs = _inputs('mixed', device, dtype=torch.float32)
+    rowptr, col, q, k, v, e_t, m = inputs
+    for in_place in (False, True):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ops.transformer_attention(rowptr, col, *(t * 1 for t in leaves),
+                                        e_t, m, SCALE,
+                                        grads_in_place=in_place)
+        loss = out.sum()
+        loss.backward(retain_graph=True)
+        first = [t.grad.clone() for t in leaves]
+        if in_place:
+            with pytest.raises(RuntimeError, match='grads_in_place = False'):
+                loss.backward()
+        else:
+            loss.backward()
+            for a, t in zip(first, leaves):
+                torch.testing.assert_close(t.grad, 2 * a)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_grads_in_place_skipped_when_unsafe(backend, device):
+    """A non-contiguous key, value the same tensor as key, grad_out that is
+    out itself: the backward falls back to the out-of-place op, leaves its
+    inputs intact and gets the same gradients."""
+    rowptr, col, q, k, _, _, _ = _inputs('mixed', device, dtype=torch.float64)
+
+    def grads(qq, kk, vv, in_place, go=None):
+        out = ops.transformer_attention(rowptr, col, qq, kk, vv, None, None,
+                                        SCALE, grads_in_place=in_place)
+        return torch.autograd.grad(out, (qq, kk, vv),
+                                   out if go == 'out' else torch.ones_like(out))
+
+    nc = noncontig(k).requires_grad_()
+    shared = k.clone().requires_grad_()
+    cases = [('non-contiguous key', lambda: (q.clone().requires_grad_(), nc,
+                                             k.clone().requires_grad_()), None),
+             ('value is key', lambda: (q.clone().requires_grad_(), shared,
+                                       shared), None),
+             ('grad_out is out', lambda: tuple(
+                 t.clone().requires_grad_() for t in (q, k, k.flip(0))),
+              'out')]
+    for name, make, go in cases:
+        args = make()
+        before = [t.detach().clone() for t in args]
+        want = grads(*args, False, go)
+        got = grads(*args, True, go)
+        for a, b in zip(args, before):
+            assert torch.equal(a.detach(), b), name
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), name

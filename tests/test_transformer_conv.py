@@ -12,6 +12,7 @@ from pyg_fastattn import FastGATConv, FastTransformerConv, prepare, swap, ops
 from pyg_fastattn.ops.csr import rows_of
 
 from conftest import DEVICES, requires_cuda
+from graphs import assert_bitwise
 
 TOL = {torch.float64: dict(atol=1e-10, rtol=1e-9),
        torch.float32: dict(atol=2e-5, rtol=1e-4)}
@@ -484,3 +485,55 @@ def test_swap_leaves_what_it_cannot_convert():
     assert type(m[0]) is MyTF and type(m[1]) is TransformerConv
     assert any('MyTF' in str(r.message) for r in rec)
     assert any("aggr='max'" in str(r.message) for r in rec)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('name', ['plain', 'heads4_beta', 'mean', 'no_root',
+                                  'edge_small'])
+def test_grads_in_place_layer(backend, device, name):
+    """The layer's in-place backward (the default) against grads_in_place =
+    False: the same output and gradients bit for bit, the returned output
+    unchanged by the backward, and retain_graph: a second backward raises a
+    clear error where the layer wrote in place, and works without it."""
+    kw = CONFIGS[name]
+    edge_dim = kw.get('edge_dim')
+    torch.manual_seed(0)
+    conv = FastTransformerConv(6, 5, **kw).to(device)
+    x = torch.randn(30, 6, device=device)
+    ei = graph(30, 30, 120, device=device)
+    ea = (torch.randn(ei.size(1), edge_dim, device=device)
+          if edge_dim else None)
+    # in place wherever the attention output is not the returned tensor,
+    # nor saved by beta's Mul
+    in_place = ((kw.get('root_weight', True) or not kw.get('concat', True))
+                and not kw.get('beta', False))
+
+    def step(flag, twice=False):
+        conv.grads_in_place = flag
+        conv.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_()
+        out = conv(xr, ei, ea)
+        kept = out.detach().clone()
+        loss = (out * torch.linspace(-1, 1, out.numel(), device=device)
+                .view_as(out)).sum()
+        loss.backward(retain_graph=twice)
+        assert torch.equal(out.detach(), kept), 'output changed by backward'
+        if twice:
+            loss.backward()
+        return [kept, xr.grad] + [p.grad.clone() for p in conv.parameters()
+                                  if p.grad is not None]
+
+    try:
+        assert_bitwise(step(True), step(False), 'grads_in_place')
+        if in_place:
+            with pytest.raises(RuntimeError, match='grads_in_place = False'):
+                step(True, twice=True)
+        else:
+            step(True, twice=True)
+        once = step(False)
+        twice = step(False, twice=True)
+        for a, b in zip(once[1:], twice[1:]):
+            torch.testing.assert_close(b, 2 * a)
+    finally:
+        del conv.grads_in_place  # back to the class default
+    assert FastTransformerConv.grads_in_place

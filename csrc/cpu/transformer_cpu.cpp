@@ -129,7 +129,8 @@ std::tuple<at::Tensor, at::Tensor> transformer_attention_cpu(
     const at::Tensor& value_, const OptTensor& edge_term_,
     const OptTensor& mask_, double scale, const OptTensor& /*colptr*/,
     const OptTensor& /*csc_row*/, const OptTensor& /*csc_perm*/,
-    int64_t /*max_row_len*/, int64_t /*max_col_len*/) {
+    int64_t /*max_row_len*/, int64_t /*max_col_len*/,
+    bool /*grads_in_place*/) {
   check_transformer_attention(rowptr_, col_, query_, key_, value_, edge_term_,
                               mask_);
   const Inputs in = contiguous_inputs(rowptr_, col_, query_, key_, value_,
@@ -284,6 +285,25 @@ transformer_attention_backward_cpu(
   return {g_q, g_k, g_v, g_e};
 }
 
+// The in-place form: pass 1 reads every row of out, and pass 2 every key and
+// value row, through the [E, H] buffers, so the gradients are computed apart
+// and copied over.
+at::Tensor transformer_attention_backward_cpu_(
+    const at::Tensor& rowptr, const at::Tensor& col, const at::Tensor& colptr,
+    const at::Tensor& csc_row, const at::Tensor& csc_perm,
+    const at::Tensor& query, at::Tensor& key, at::Tensor& value,
+    const OptTensor& edge_term, const OptTensor& mask, double scale,
+    at::Tensor& out, const at::Tensor& lse, const at::Tensor& grad_out,
+    bool need_edge, int64_t max_row_len, int64_t max_col_len) {
+  auto g = transformer_attention_backward_cpu(
+      rowptr, col, colptr, csc_row, csc_perm, query, key, value, edge_term,
+      mask, scale, out, lse, grad_out, need_edge, max_row_len, max_col_len);
+  out.copy_(std::get<0>(g));
+  key.copy_(std::get<1>(g));
+  value.copy_(std::get<2>(g));
+  return std::get<3>(g);
+}
+
 }  // namespace
 }  // namespace pyg_fastattn
 
@@ -291,4 +311,6 @@ TORCH_LIBRARY_IMPL(pyg_fastattn, CPU, m) {
   m.impl("transformer_attention", &pyg_fastattn::transformer_attention_cpu);
   m.impl("transformer_attention_backward",
          &pyg_fastattn::transformer_attention_backward_cpu);
+  m.impl("transformer_attention_backward_",
+         &pyg_fastattn::transformer_attention_backward_cpu_);
 }

@@ -18,7 +18,7 @@ std::tuple<at::Tensor, at::Tensor> transformer_attention_cuda(
     const c10::optional<at::Tensor>& /*colptr*/,
     const c10::optional<at::Tensor>& /*csc_row*/,
     const c10::optional<at::Tensor>& /*csc_perm*/, int64_t max_row_len,
-    int64_t /*max_col_len*/) {
+    int64_t /*max_col_len*/, bool /*grads_in_place*/) {
   check_transformer_attention(rowptr_in, col_in, query_in, key_in, value_in,
                               edge_term_in, mask_in);
   c10::cuda::CUDAGuard guard(key_in.device());

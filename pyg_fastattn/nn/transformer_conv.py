@@ -8,8 +8,8 @@ from torch import Tensor
 from torch_geometric.nn.conv import TransformerConv
 
 from .. import ops
-from .base import FusedAttentionConv
-from .graph import PreparedGraph
+from .base import FusedAttentionConv, plain_linear
+from .graph import PreparedGraph, _is_compiling
 
 __all__ = ['FastTransformerConv']
 
@@ -19,11 +19,13 @@ class _TransformerScore:
     """The inputs of the in-kernel score: ``query`` [N, H, C], ``key``
     [Ns, H, C], ``edge_term`` (``lin_edge(edge_attr)``, [E', H, C] in CSR
     order, added to the keys and the values) or None, ``scale`` (1 /
-    sqrt(C))."""
+    sqrt(C)), ``grads_in_place`` (the op may write the gradients over its
+    out, key and value)."""
     query: Tensor
     key: Tensor
     edge_term: Optional[Tensor]
     scale: float
+    grads_in_place: bool = False
 
 
 class FastTransformerConv(FusedAttentionConv, TransformerConv):
@@ -56,13 +58,22 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
 
     The graph is prepared once per ``edge_index`` and cached (see
     :mod:`pyg_fastattn.nn.graph`). Backward walks the prepared transpose,
-    uses no atomics and is bitwise reproducible. Under ``torch.autocast``
+    uses no atomics and is bitwise reproducible. It writes the gradients of
+    the queries, keys and values over the attention output and the keys and
+    values, which only the layer holds (on CUDA it allocates none of them;
+    with ``root_weight`` the skip term takes the attention output in place;
+    not with ``beta``). A second backward through the same graph
+    (``retain_graph=True``, ``gradcheck``) then raises; set
+    ``grads_in_place = False`` on the layer to allow it, at the cost of that
+    memory. Under ``torch.autocast``
     the fused ops run in the autocast dtype (float32 accumulation).
     ``torch.compile(fullgraph=True)`` traces it.
 
     Falls back to TransformerConv's own code for ``aggr`` other than
     ``'add'``, ``flow='target_to_source'`` and explain mode.
     """
+    grads_in_place: bool = True
+
     def forward(  # noqa: F811
         self,
         x: Union[Tensor, Tuple[Tensor, Tensor]],
@@ -88,8 +99,17 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         elif edge_attr is None:
             raise ValueError("'edge_attr' is required when the layer has "
                              "'edge_dim' (as in TransformerConv)")
+        # Only this op holds out (the skip term or the mean makes the
+        # output a new tensor; beta's Mul would save it) and key and value
+        # (its own plain Linears).
+        compiling = _is_compiling()
+        in_place = (self.grads_in_place and not compiling
+                    and (self.root_weight or not self.concat)
+                    and self.lin_beta is None
+                    and plain_linear(self.lin_key, x[0])
+                    and plain_linear(self.lin_value, x[0]))
         out, weights = self.fused_propagate(
-            graph, value, key, query, edge_attr, edge_index,
+            graph, value, (key, in_place), query, edge_attr, edge_index,
             isinstance(return_attention_weights, bool),
             weights_after_dropout=False)
 
@@ -104,6 +124,9 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
                 beta = self.lin_beta(torch.cat([out, x_r, out - x_r], dim=-1))
                 beta = beta.sigmoid()
                 out = beta * x_r + (1 - beta) * out
+            elif (not compiling and x_r.dtype == out.dtype
+                  and plain_linear(self.lin_skip, x[1])):
+                out = x_r.add_(out)  # x_r is the Linear's fresh output
             else:
                 out = out + x_r
 
@@ -113,17 +136,19 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
 
     # Hooks ##################################################################
 
-    def compute_score(self, graph: PreparedGraph, key: Tensor, query: Tensor,
+    def compute_score(self, graph: PreparedGraph, key, query: Tensor,
                       edge_attr: Optional[Tensor]) -> _TransformerScore:
-        """The score inputs; ``key`` [Ns, H, C], ``query`` [N, H, C],
-        ``edge_attr`` [E', D] (CSR order) or None."""
+        """The score inputs; ``key`` [Ns, H, C] (or ``(key,
+        grads_in_place)``), ``query`` [N, H, C], ``edge_attr`` [E', D] (CSR
+        order) or None."""
+        key, in_place = key if isinstance(key, tuple) else (key, False)
         edge_term = None
         if edge_attr is not None:
             self.materialize(self.lin_edge, edge_attr)
             edge_term = self.lin_edge(edge_attr).view(-1, self.heads,
                                                       self.out_channels)
         return _TransformerScore(query, key, edge_term,
-                                 1.0 / math.sqrt(self.out_channels))
+                                 1.0 / math.sqrt(self.out_channels), in_place)
 
     def attend(self, graph: PreparedGraph, values: Tensor, score,
                mask: Optional[Tensor], return_lse: bool):
@@ -132,7 +157,8 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         out, lse = ops.transformer_attention(
             graph.rowptr, graph.col, score.query, score.key, values,
             score.edge_term, mask, score.scale, csc=graph.csc,
-            return_lse=True, validate=False, max_lengths=graph.max_lengths)
+            return_lse=True, validate=False, max_lengths=graph.max_lengths,
+            grads_in_place=score.grads_in_place)
         return out, (lse if return_lse else None)
 
     def score_at(self, graph: PreparedGraph, score, pos: Tensor, src: Tensor,

@@ -4,6 +4,7 @@ aggregation, and its backward. Kernels: ``csrc/cpu/transformer_cpu.cpp``,
 from typing import Optional, Tuple
 
 from torch import Tensor
+from torch.autograd.graph import increment_version
 
 from ..reference import _opmath
 from . import _lib
@@ -23,12 +24,14 @@ from .csr import CSC, maybe_csc
 # read only by the backward (built there when absent). max_row_len /
 # max_col_len: the longest CSR row / CSC column when known, else -1 (a hint:
 # CUDA skips its long-row split path when no row needs it; results do not
-# change).
+# change). grads_in_place: the caller holds no other reference to out, key
+# and value, so the backward may write grad_query, grad_key and grad_value
+# over them (transformer_attention_backward_; the kernels ignore it).
 _lib.define(
     'transformer_attention(Tensor rowptr, Tensor col, Tensor query, '
     'Tensor key, Tensor value, Tensor? edge_term, Tensor? mask, float scale, '
     'Tensor? colptr, Tensor? csc_row, Tensor? csc_perm, int max_row_len, '
-    'int max_col_len) -> (Tensor, Tensor)')
+    'int max_col_len, bool grads_in_place) -> (Tensor, Tensor)')
 # (No defaults: the dispatcher drops arguments equal to their defaults, and
 # the autograd formula must see every input.)
 # Gradients, alpha recomputed from lse:
@@ -52,10 +55,20 @@ _lib.define(
     'Tensor key, Tensor value, Tensor? edge_term, Tensor? mask, float scale, '
     'Tensor out, Tensor lse, Tensor grad_out, bool need_edge, '
     'int max_row_len, int max_col_len) -> (Tensor, Tensor, Tensor, Tensor)')
+# The same gradients written over the forward's buffers: out becomes
+# grad_query, key grad_key and value grad_value (on CUDA with no other
+# memory: each pass reads a row's own out / key / value before it writes
+# that row's gradient); returns grad_edge_term.
+_lib.define(
+    'transformer_attention_backward_(Tensor rowptr, Tensor col, '
+    'Tensor colptr, Tensor csc_row, Tensor csc_perm, Tensor query, '
+    'Tensor(a!) key, Tensor(b!) value, Tensor? edge_term, Tensor? mask, '
+    'float scale, Tensor(c!) out, Tensor lse, Tensor grad_out, '
+    'bool need_edge, int max_row_len, int max_col_len) -> Tensor')
 
 
 def _fake(rowptr, col, query, key, value, edge_term, mask, scale, colptr,
-          csc_row, csc_perm, max_row_len, max_col_len):
+          csc_row, csc_perm, max_row_len, max_col_len, grads_in_place):
     N, H, C = rowptr.shape[0] - 1, key.shape[1], key.shape[2]
     out = key.new_empty((N, H, C))
     lse = key.new_empty((N, H), dtype=_opmath(key.dtype))
@@ -71,38 +84,86 @@ def _fake_backward(rowptr, col, colptr, csc_row, csc_perm, query, key, value,
             key.new_empty(value.shape), g_edge)
 
 
+def _fake_backward_(rowptr, col, colptr, csc_row, csc_perm, query, key, value,
+                    edge_term, mask, scale, out, lse, grad_out, need_edge,
+                    max_row_len, max_col_len):
+    return (key.new_empty(edge_term.shape) if need_edge
+            and edge_term is not None else key.new_empty((0, )))
+
+
 def _setup_context(ctx, inputs, output):
     (rowptr, col, query, key, value, edge_term, mask, scale, colptr, csc_row,
-     csc_perm, *lengths) = inputs
+     csc_perm, max_row_len, max_col_len, grads_in_place) = inputs
     out, lse = output
     ctx.save_for_backward(rowptr, col, query, key, value, edge_term, mask,
                           out, lse, colptr, csc_row, csc_perm)
     ctx.scale = scale
-    ctx.lengths = lengths
+    ctx.lengths = (max_row_len, max_col_len)
+    ctx.in_place = grads_in_place
+    ctx.spent = False  # set once the backward has overwritten the buffers
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zeros for lse's gradient
 
 
+def _storage(t: Optional[Tensor]) -> int:
+    return t.untyped_storage().data_ptr() if t is not None else 0
+
+
+def _may_overwrite(query, key, value, edge_term, out, grad_out) -> bool:
+    """out, key and value are plain tensors (not traced: torch.compile gets
+    the out-of-place op), contiguous, of one dtype, and share memory with
+    none of the other inputs."""
+    if not all(type(t) is Tensor for t in (out, key, value)):
+        return False
+    if not (out.is_contiguous() and key.is_contiguous()
+            and value.is_contiguous() and out.dtype == key.dtype == value.dtype):
+        return False
+    own = [_storage(t) for t in (out, key, value)]
+    other = [_storage(t) for t in (query, edge_term, grad_out)]
+    return len(set(own)) == 3 and not set(own) & set(other)
+
+
 def _backward(ctx, grad_out, _grad_lse):
     if grad_out is None:
-        return (None, ) * 13
+        return (None, ) * 14
+    if ctx.spent:
+        raise RuntimeError(
+            'transformer_attention: this graph was already backpropagated '
+            'through, and its backward wrote the gradients over the saved '
+            'out, key and value (grads_in_place=True, which '
+            'FastTransformerConv uses to save memory). To backward twice '
+            '(retain_graph=True), set `grads_in_place = False` on the layer '
+            '(or pass grads_in_place=False to the op).')
     (rowptr, col, query, key, value, edge_term, mask, out, lse,
      *csc) = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_edge = bool(need[5]) and edge_term is not None
     csc = maybe_csc(list(csc) + [None], rowptr, col, key.size(0))
-    g_q, g_k, g_v, g_e = _lib.op('transformer_attention_backward')(
-        rowptr, col, csc.colptr, csc.row, csc.perm, query, key, value,
-        edge_term, mask, ctx.scale, out, lse, grad_out.contiguous(),
-        need_edge, *ctx.lengths)
+    grad_out = grad_out.contiguous()
+    if ctx.in_place and _may_overwrite(query, key, value, edge_term, out,
+                                       grad_out):
+        g_e = _lib.op('transformer_attention_backward_')(
+            rowptr, col, csc.colptr, csc.row, csc.perm, query, key, value,
+            edge_term, mask, ctx.scale, out, lse, grad_out, need_edge,
+            *ctx.lengths)
+        ctx.spent = True
+        for t in (out, key, value):  # other saved views of them now fail
+            increment_version(t)
+        g_q, g_k, g_v = out, key, value
+    else:
+        g_q, g_k, g_v, g_e = _lib.op('transformer_attention_backward')(
+            rowptr, col, csc.colptr, csc.row, csc.perm, query, key, value,
+            edge_term, mask, ctx.scale, out, lse, grad_out, need_edge,
+            *ctx.lengths)
     return (None, None, g_q if need[2] else None, g_k if need[3] else None,
             g_v if need[4] else None, g_e if need_edge else None) + (
-                None, ) * 7
+                None, ) * 8
 
 
 _lib.register('transformer_attention', fake=_fake, backward=_backward,
               setup_context=_setup_context, autocast=True)
 _lib.register('transformer_attention_backward', fake=_fake_backward)
+_lib.register('transformer_attention_backward_', fake=_fake_backward_)
 
 
 def transformer_attention(rowptr: Tensor, col: Tensor, query: Tensor,
@@ -111,7 +172,8 @@ def transformer_attention(rowptr: Tensor, col: Tensor, query: Tensor,
                           mask: Optional[Tensor] = None, scale: float = 1.0,
                           csc: Optional[CSC] = None, return_lse: bool = False,
                           validate: bool = True,
-                          max_lengths: Tuple[int, int] = (-1, -1)):
+                          max_lengths: Tuple[int, int] = (-1, -1),
+                          grads_in_place: bool = False):
     r"""Dot-product (TransformerConv) attention over a CSR graph (rows =
     destinations), fused: flash-attention over each row's edges.
 
@@ -139,6 +201,13 @@ def transformer_attention(rowptr: Tensor, col: Tensor, query: Tensor,
             unknown (:attr:`PreparedGraph.max_lengths`); a hint that saves
             host time on CUDA, never changing the result. It must not
             understate them.
+        grads_in_place: let the backward write the gradients of ``query``,
+            ``key`` and ``value`` over ``out``, ``key`` and ``value`` (on
+            CUDA it then allocates none of them). Only for callers that hold
+            no other reference to those three: they are garbage after the
+            backward, and a second backward through the same graph raises.
+            Ignored where they are not contiguous or share memory with
+            another input.
 
     Returns:
         ``out`` [N, H, C] in ``key``'s dtype (empty rows: 0), and with
@@ -176,5 +245,6 @@ def transformer_attention(rowptr: Tensor, col: Tensor, query: Tensor,
                                                 value, edge_term, mask,
                                                 float(scale), *csc_args,
                                                 int(max_lengths[0]),
-                                                int(max_lengths[1]))
+                                                int(max_lengths[1]),
+                                                bool(grads_in_place))
     return (out, lse) if return_lse else out
