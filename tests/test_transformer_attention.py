@@ -526,7 +526,12 @@ def test_grads_in_place_equal(backend, device, kind, dtype, idx):
                          mask=kind != 'empty')
     out_a, g_a, _ = _in_place_grads(inputs, False)
     out_b, g_b, spent = _in_place_grads(inputs, True)
-    assert_bitwise([out_a] + g_a, [out_b] + g_b, 'in place')
+    if backend == 'reference' and device == 'cuda':  # index_add: atomics
+        tol = 1e-10 if dtype == torch.float64 else 1e-2
+        for a, b in zip([out_a] + g_a, [out_b] + g_b):
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+    else:
+        assert_bitwise([out_a] + g_a, [out_b] + g_b, 'in place')
     if out_b.numel():
         assert torch.equal(spent.detach(), g_b[0])  # out now holds grad_query
 

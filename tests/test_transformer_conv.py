@@ -524,7 +524,11 @@ def test_grads_in_place_layer(backend, device, name):
                                   if p.grad is not None]
 
     try:
-        assert_bitwise(step(True), step(False), 'grads_in_place')
+        if backend == 'reference' and device == 'cuda':  # index_add: atomics
+            for a, b in zip(step(True), step(False)):
+                torch.testing.assert_close(a, b)
+        else:
+            assert_bitwise(step(True), step(False), 'grads_in_place')
         if in_place:
             with pytest.raises(RuntimeError, match='grads_in_place = False'):
                 step(True, twice=True)
