@@ -589,4 +589,7 @@ def test_grads_in_place_skipped_when_unsafe(backend, device):
         for a, b in zip(args, before):
             assert torch.equal(a.detach(), b), name
         for a, b in zip(got, want):
-            assert torch.equal(a, b), name
+            if backend == 'reference' and device == 'cuda':  # atomics
+                torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
+            else:
+                assert torch.equal(a, b), name
