@@ -136,12 +136,13 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
 
     # Hooks ##################################################################
 
-    def compute_score(self, graph: PreparedGraph, key, query: Tensor,
+    def compute_score(self, graph: PreparedGraph,
+                      key_in_place: Tuple[Tensor, bool], query: Tensor,
                       edge_attr: Optional[Tensor]) -> _TransformerScore:
-        """The score inputs; ``key`` [Ns, H, C] (or ``(key,
-        grads_in_place)``), ``query`` [N, H, C], ``edge_attr`` [E', D] (CSR
+        """The score inputs; ``key_in_place``: ``(key [Ns, H, C],
+        grads_in_place)``, ``query`` [N, H, C], ``edge_attr`` [E', D] (CSR
         order) or None."""
-        key, in_place = key if isinstance(key, tuple) else (key, False)
+        key, in_place = key_in_place
         edge_term = None
         if edge_attr is not None:
             self.materialize(self.lin_edge, edge_attr)

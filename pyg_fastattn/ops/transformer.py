@@ -140,21 +140,18 @@ def _backward(ctx, grad_out, _grad_lse):
     need_edge = bool(need[5]) and edge_term is not None
     csc = maybe_csc(list(csc) + [None], rowptr, col, key.size(0))
     grad_out = grad_out.contiguous()
-    if ctx.in_place and _may_overwrite(query, key, value, edge_term, out,
-                                       grad_out):
-        g_e = _lib.op('transformer_attention_backward_')(
-            rowptr, col, csc.colptr, csc.row, csc.perm, query, key, value,
+    args = (rowptr, col, csc.colptr, csc.row, csc.perm, query, key, value,
             edge_term, mask, ctx.scale, out, lse, grad_out, need_edge,
             *ctx.lengths)
+    if ctx.in_place and _may_overwrite(query, key, value, edge_term, out,
+                                       grad_out):
+        g_e = _lib.op('transformer_attention_backward_')(*args)
         ctx.spent = True
         for t in (out, key, value):  # other saved views of them now fail
             increment_version(t)
         g_q, g_k, g_v = out, key, value
     else:
-        g_q, g_k, g_v, g_e = _lib.op('transformer_attention_backward')(
-            rowptr, col, csc.colptr, csc.row, csc.perm, query, key, value,
-            edge_term, mask, ctx.scale, out, lse, grad_out, need_edge,
-            *ctx.lengths)
+        g_q, g_k, g_v, g_e = _lib.op('transformer_attention_backward')(*args)
     return (None, None, g_q if need[2] else None, g_k if need[3] else None,
             g_v if need[4] else None, g_e if need_edge else None) + (
                 None, ) * 8
