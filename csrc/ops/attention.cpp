@@ -1,5 +1,6 @@
 // attention: fused score, row softmax and weighted aggregation (GAT's core).
 #include "../common.h"
+#include "autocast.h"
 
 namespace pyg_fastattn {
 
@@ -85,3 +86,5 @@ void check_attention_backward(const at::Tensor& rowptr, const at::Tensor& col,
 }
 
 }  // namespace pyg_fastattn
+
+PFA_REGISTER_AUTOCAST("attention")

@@ -1,5 +1,6 @@
 // edge_softmax: softmax over the edges of each CSR row, per head.
 #include "../common.h"
+#include "autocast.h"
 
 namespace pyg_fastattn {
 
@@ -22,3 +23,5 @@ void check_edge_softmax_backward(const at::Tensor& rowptr,
 }
 
 }  // namespace pyg_fastattn
+
+PFA_REGISTER_AUTOCAST("edge_softmax")

@@ -11,6 +11,7 @@
 #include <array>
 
 #include "../common.h"
+#include "autocast.h"
 
 namespace pyg_fastattn {
 #ifdef PFA_WITH_CUDA
@@ -433,3 +434,5 @@ TORCH_LIBRARY_IMPL(pyg_fastattn, CUDA, m) {
   m.impl("gat_attention_backward", &pyg_fastattn::gat_attention_backward);
 }
 #endif
+
+PFA_REGISTER_AUTOCAST("gat_attention")

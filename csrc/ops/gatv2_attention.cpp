@@ -1,6 +1,7 @@
 // gatv2_attention: input checks shared by the CPU and CUDA kernels. Schema,
 // fake and autograd live in pyg_fastattn/ops/gatv2.py.
 #include "../common.h"
+#include "autocast.h"
 
 namespace pyg_fastattn {
 
@@ -51,3 +52,5 @@ void check_gatv2_attention_backward(
 }
 
 }  // namespace pyg_fastattn
+
+PFA_REGISTER_AUTOCAST("gatv2_attention")

@@ -5,6 +5,7 @@
 #include <torch/autograd.h>
 
 #include "../common.h"
+#include "autocast.h"
 
 namespace pyg_fastattn {
 
@@ -141,3 +142,5 @@ TORCH_LIBRARY_IMPL(pyg_fastattn, CUDA, m) {
   m.impl("column_sum", &pyg_fastattn::column_sum_op);
 }
 #endif
+
+PFA_REGISTER_AUTOCAST("linear")

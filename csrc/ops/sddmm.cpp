@@ -1,5 +1,6 @@
 // sddmm_dot: per-edge dot products of node features.
 #include "../common.h"
+#include "autocast.h"
 
 namespace pyg_fastattn {
 
@@ -23,3 +24,6 @@ void check_sddmm_dot(const at::Tensor& a, const at::Tensor& b,
 }
 
 }  // namespace pyg_fastattn
+
+PFA_REGISTER_AUTOCAST("sddmm_dot")
+PFA_REGISTER_AUTOCAST("sddmm_csr")

@@ -1,5 +1,6 @@
 // spmm and segment_sum: weighted aggregation over CSR rows.
 #include "../common.h"
+#include "autocast.h"
 
 namespace pyg_fastattn {
 
@@ -39,3 +40,6 @@ void check_segment_sum(const at::Tensor& rowptr,
 }
 
 }  // namespace pyg_fastattn
+
+PFA_REGISTER_AUTOCAST("spmm")
+PFA_REGISTER_AUTOCAST("segment_sum")

@@ -1,6 +1,7 @@
 // transformer_attention: input checks shared by the CPU and CUDA kernels.
 // Schema, fake and autograd live in pyg_fastattn/ops/transformer.py.
 #include "../common.h"
+#include "autocast.h"
 
 namespace pyg_fastattn {
 
@@ -38,3 +39,5 @@ void check_transformer_attention_backward(
 }
 
 }  // namespace pyg_fastattn
+
+PFA_REGISTER_AUTOCAST("transformer_attention")

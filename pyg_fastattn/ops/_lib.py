@@ -55,11 +55,18 @@ def _cast_args(args, dtype, device_type: str):
     return [cast(a) for a in args]
 
 
+_autocast_impls: Dict[str, List[tuple]] = {}
+
+
 def _register_autocast(name: str) -> None:
     """Cast floating-point arguments to the current autocast dtype, then run
     the op with autocast off (as ``torch.library.register_autocast`` does,
-    but with the dtype read at call time)."""
+    but with the dtype read at call time). This Python rule serves the
+    Python dispatcher (tracing) always, and eager calls only without the
+    extension: its C++ kernel (``csrc/ops/autocast.h``) does the same
+    through autocast's cast cache, at a fraction of the host time."""
     overload = op(name)
+    impls = _autocast_impls[name] = []
     for device_type in ('cpu', 'cuda'):
         key_name = 'Autocast' + torch._C._dispatch_key_for_device(device_type)
         key = getattr(torch._C.DispatchKey, key_name)
@@ -71,6 +78,11 @@ def _register_autocast(name: str) -> None:
                 return overload(*_cast_args(args, dtype, _dev))
 
         overload.py_impl(key)(impl)  # for the Python dispatcher (tracing)
+        impls.append((key_name, impl))
+
+
+def _install_python_autocast(name: str) -> None:
+    for key_name, impl in _autocast_impls[name]:
         _lib.impl(name, lambda _ks, *args, _f=impl: _f(*args), key_name,
                   with_keyset=True)
 
@@ -156,6 +168,8 @@ def install_backends() -> None:
     if not st.native:
         for name, (backward, setup_context) in _python_autograd_fallback.items():
             _register_autograd(name, backward, setup_context)
+        for name in _autocast_impls:
+            _install_python_autocast(name)
     _installed = True
 
 
