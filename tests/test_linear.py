@@ -98,6 +98,32 @@ def test_linear_autocast(device):
     torch.testing.assert_close(gb, torch.full_like(gb, 16.0))
 
 
+@pytest.mark.parametrize('device', [
+    'cpu', pytest.param('cuda', marks=[pytest.mark.cuda, requires_cuda])])
+def test_autocast_casts_a_parameter_once(device):
+    """The native autocast rule casts through autocast's cache, as aten ops
+    do: a parameter used twice in one autocast region is cast once, an
+    input that is not a leaf parameter every time."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    if not pyg_fastattn._build.load().native:
+        pytest.skip('the autocast cache is the native rule\'s')
+
+    class Casts(TorchDispatchMode):
+        shapes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default:
+                self.shapes.append(tuple(args[0].shape))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(16, 8, device=device)
+    w = torch.randn(4, 8, device=device, requires_grad=True)
+    with torch.autocast(device, dtype=torch.bfloat16), Casts() as m:
+        y = ops.linear(x, w, None) + ops.linear(x, w, None)
+    assert y.dtype == torch.bfloat16
+    assert m.shapes.count((4, 8)) == 1 and m.shapes.count((16, 8)) == 2
+
+
 def test_plain_linear():
     lin = Linear(8, 4)
     x = torch.randn(3, 8)
