@@ -1,5 +1,10 @@
-// transformer_attention: input checks shared by the CPU and CUDA kernels.
-// Schema, fake and autograd live in pyg_fastattn/ops/transformer.py.
+// transformer_attention: input checks shared by the CPU and CUDA kernels,
+// and the autograd kernel (C++, so forward and backward cost no Python).
+// Schema, fakes and a Python twin of the autograd formula (for builds
+// without this extension) live in pyg_fastattn/ops/transformer.py.
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/variable.h>
+
 #include "../common.h"
 #include "autocast.h"
 
@@ -38,6 +43,221 @@ void check_transformer_attention_backward(
                        lse, grad_out);
 }
 
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+using Outputs2 = std::tuple<at::Tensor, at::Tensor>;
+using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+Outputs2 call_forward(const at::Tensor& rowptr, const at::Tensor& col,
+                      const at::Tensor& query, const at::Tensor& key,
+                      const at::Tensor& value, const OptTensor& edge_term,
+                      const OptTensor& mask, double scale,
+                      const OptTensor& colptr, const OptTensor& csc_row,
+                      const OptTensor& csc_perm, int64_t max_row_len,
+                      int64_t max_col_len, bool grads_in_place) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pyg_fastattn::transformer_attention", "")
+          .typed<Outputs2(const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const OptTensor&,
+                          const OptTensor&, double, const OptTensor&,
+                          const OptTensor&, const OptTensor&, int64_t,
+                          int64_t, bool)>();
+  return op.call(rowptr, col, query, key, value, edge_term, mask, scale,
+                 colptr, csc_row, csc_perm, max_row_len, max_col_len,
+                 grads_in_place);
+}
+
+// The transpose for a caller that passed none: csr_to_csc's ATen ops
+// (pyg_fastattn/ops/csr.py), which fake tensors (tracing) run too.
+Outputs4 build_csc(const at::Tensor& rowptr, const at::Tensor& col,
+                   const c10::SymInt& num_cols) {
+  const c10::SymInt N = rowptr.sym_numel() - 1, E = col.sym_numel();
+  const at::ScalarType dt = rowptr.scalar_type();
+  const at::Tensor pos = at::arange(c10::Scalar(E), rowptr.options());
+  const at::Tensor row = at::searchsorted(rowptr.slice(0, 1).contiguous(),
+                                          pos, dt == at::kInt, true);
+  const at::Tensor key = col.masked_fill(row.ge(c10::Scalar(N)),
+                                         c10::Scalar(num_cols));
+  const at::Tensor perm = at::argsort(key, true);
+  const at::Tensor bounds =
+      at::arange(c10::Scalar(num_cols + 1), key.options());
+  const at::Tensor colptr =
+      at::searchsorted(key.index_select(0, perm), bounds).to(dt);
+  return {colptr, row.index_select(0, perm).to(dt), perm.to(dt), at::Tensor()};
+}
+
+// The backward ops' arguments, in schema order.
+#define PFA_TRANSFORMER_BWD_ARGS(KEY, VALUE, OUT)                              \
+  const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, \
+      const at::Tensor&, const at::Tensor&, KEY, VALUE, const OptTensor&,     \
+      const OptTensor&, double, OUT, const at::Tensor&, const at::Tensor&,    \
+      bool, int64_t, int64_t
+
+Outputs4 call_backward(const std::vector<at::Tensor>& s, const OptTensor& e,
+                       const OptTensor& m, double scale,
+                       const at::Tensor& grad_out, bool need_edge,
+                       int64_t max_row_len, int64_t max_col_len) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pyg_fastattn::transformer_attention_backward",
+                             "")
+          .typed<Outputs4(PFA_TRANSFORMER_BWD_ARGS(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&))>();
+  return op.call(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], e, m, scale,
+                 s[8], s[9], grad_out, need_edge, max_row_len, max_col_len);
+}
+
+at::Tensor call_backward_(std::vector<at::Tensor>& s, const OptTensor& e,
+                          const OptTensor& m, double scale,
+                          const at::Tensor& grad_out, bool need_edge,
+                          int64_t max_row_len, int64_t max_col_len) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pyg_fastattn::transformer_attention_backward_",
+                             "")
+          .typed<at::Tensor(PFA_TRANSFORMER_BWD_ARGS(
+              at::Tensor&, at::Tensor&, at::Tensor&))>();
+  return op.call(s[0], s[1], s[2], s[3], s[4], s[5], s[6], s[7], e, m, scale,
+                 s[8], s[9], grad_out, need_edge, max_row_len, max_col_len);
+}
+#undef PFA_TRANSFORMER_BWD_ARGS
+
+const void* storage_of(const at::Tensor& t) {
+  return t.defined() ? t.storage().data() : nullptr;
+}
+
+// out, key and value may take the gradients: plain tensors (not traced:
+// fake and functional tensors get the out-of-place op), contiguous, of one
+// dtype, sharing memory with none of the other inputs.
+bool may_overwrite(const at::Tensor& query, const at::Tensor& key,
+                   const at::Tensor& value, const at::Tensor& edge_term,
+                   const at::Tensor& out, const at::Tensor& grad_out) {
+  const c10::DispatchKeySet traced({c10::DispatchKey::Python,
+                                    c10::DispatchKey::Functionalize});
+  for (const at::Tensor* t : {&out, &key, &value}) {
+    if (t->key_set().has_any(traced) || !t->is_contiguous() ||
+        t->scalar_type() != key.scalar_type())
+      return false;
+  }
+  const void* own[3] = {storage_of(out), storage_of(key), storage_of(value)};
+  const void* other[3] = {storage_of(query), storage_of(edge_term),
+                          storage_of(grad_out)};
+  if (own[0] == own[1] || own[0] == own[2] || own[1] == own[2]) return false;
+  for (const void* a : own)
+    for (const void* b : other)
+      if (a == b) return false;
+  return true;
+}
+
+// Differentiable inputs (query, key, value, edge_term) by argument position.
+constexpr std::array<int, 4> kGradArgs = {2, 3, 4, 5};
+constexpr int kNumArgs = 14;
+
+class TransformerAttentionFunction
+    : public torch::autograd::Function<TransformerAttentionFunction> {
+ public:
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const at::Tensor& rowptr,
+      const at::Tensor& col, const at::Tensor& query, const at::Tensor& key,
+      const at::Tensor& value, const OptTensor& edge_term,
+      const OptTensor& mask, double scale, const OptTensor& colptr,
+      const OptTensor& csc_row, const OptTensor& csc_perm,
+      int64_t max_row_len, int64_t max_col_len, bool grads_in_place) {
+    Outputs2 r;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      r = call_forward(rowptr, col, query, key, value, edge_term, mask, scale,
+                       colptr, csc_row, csc_perm, max_row_len, max_col_len,
+                       grads_in_place);
+    }
+    auto& [out, lse] = r;
+    auto val = [](const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); };
+    ctx->save_for_backward({rowptr, col, query, key, value, val(edge_term),
+                            val(mask), out, lse, val(colptr), val(csc_row),
+                            val(csc_perm)});
+    // needs_input_grad counts the tensors passed: edge_term's index is 5
+    // after rowptr, col, query, key and value.
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["max_row_len"] = max_row_len;
+    ctx->saved_data["max_col_len"] = max_col_len;
+    ctx->saved_data["in_place"] = grads_in_place;
+    ctx->saved_data["spent"] = false;
+    ctx->mark_non_differentiable({lse});
+    ctx->set_materialize_grads(false);
+    return {out, lse};
+  }
+
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list grads) {
+    torch::autograd::variable_list res(kNumArgs);
+    if (!grads[0].defined()) return res;
+    PFA_CHECK(!ctx->saved_data["spent"].toBool(),
+              "transformer_attention: this graph was already backpropagated "
+              "through, and its backward wrote the gradients over the saved "
+              "out, key and value (grads_in_place=True, which "
+              "FastTransformerConv uses to save memory). To backward twice "
+              "(retain_graph=True), set `grads_in_place = False` on the "
+              "layer (or pass grads_in_place=False to the op).");
+    auto v = ctx->get_saved_variables();
+    at::Tensor rowptr = v[0], col = v[1], query = v[2], key = v[3],
+               value = v[4], edge_term = v[5], mask = v[6], out = v[7],
+               lse = v[8], colptr = v[9], csc_row = v[10], csc_perm = v[11];
+    const bool has_edge = edge_term.defined();
+    const bool need_edge = has_edge && ctx->needs_input_grad(5);
+    if (!colptr.defined())
+      std::tie(colptr, csc_row, csc_perm, std::ignore) =
+          build_csc(rowptr, col, key.sym_size(0));
+    const at::Tensor grad_out = grads[0].contiguous();
+    const OptTensor e = has_edge ? OptTensor(edge_term) : c10::nullopt;
+    const OptTensor m = mask.defined() ? OptTensor(mask) : c10::nullopt;
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t max_row = ctx->saved_data["max_row_len"].toInt();
+    const int64_t max_col = ctx->saved_data["max_col_len"].toInt();
+    std::vector<at::Tensor> s = {rowptr, col, colptr, csc_row, csc_perm,
+                                 query,  key, value,  out,     lse};
+    at::Tensor g_q, g_k, g_v, g_e;
+    if (ctx->saved_data["in_place"].toBool() &&
+        may_overwrite(query, key, value, edge_term, out, grad_out)) {
+      g_e = call_backward_(s, e, m, scale, grad_out, need_edge, max_row,
+                           max_col);
+      ctx->saved_data["spent"] = true;
+      for (const at::Tensor& t : {out, key, value})  // other saved views fail
+        torch::autograd::impl::bump_version(t);
+      g_q = out, g_k = key, g_v = value;
+    } else {
+      std::tie(g_q, g_k, g_v, g_e) = call_backward(
+          s, e, m, scale, grad_out, need_edge, max_row, max_col);
+    }
+    const at::Tensor g[4] = {g_q, g_k, g_v, g_e};
+    for (int k = 0; k < 4; ++k)
+      if ((k < 3 || need_edge) && ctx->needs_input_grad(k + 2))
+        res[kGradArgs[k]] = g[k];
+    return res;
+  }
+};
+
+Outputs2 transformer_attention_autograd(
+    const at::Tensor& rowptr, const at::Tensor& col, const at::Tensor& query,
+    const at::Tensor& key, const at::Tensor& value, const OptTensor& edge_term,
+    const OptTensor& mask, double scale, const OptTensor& colptr,
+    const OptTensor& csc_row, const OptTensor& csc_perm, int64_t max_row_len,
+    int64_t max_col_len, bool grads_in_place) {
+  auto r = TransformerAttentionFunction::apply(
+      rowptr, col, query, key, value, edge_term, mask, scale, colptr, csc_row,
+      csc_perm, max_row_len, max_col_len, grads_in_place);
+  return {r[0], r[1]};
+}
+
+}  // namespace
 }  // namespace pyg_fastattn
+
+TORCH_LIBRARY_IMPL(pyg_fastattn, Autograd, m) {
+  m.impl("transformer_attention",
+         &pyg_fastattn::transformer_attention_autograd);
+}
 
 PFA_REGISTER_AUTOCAST("transformer_attention")

@@ -385,10 +385,17 @@ class FusedAttentionConv(MessagePassing):
         :func:`ops.linear` (the same product; its bias gradient a column sum
         that is several times faster on CUDA for large ``x``), except under
         ``torch.compile``, which gets ``lin`` itself."""
-        if (getattr(lin, 'bias', None) is not None and not _is_compiling()
-                and plain_linear(lin, x)):
-            return ops.linear(x, lin.weight, lin.bias)
-        return lin(x)
+        return FusedAttentionConv.linear_plain(lin, x)[0]
+
+    @staticmethod
+    def linear_plain(lin: torch.nn.Module, x: Tensor) -> Tuple[Tensor, bool]:
+        """``(run_linear(lin, x), plain_linear(lin, x))``: with True, the
+        result is a fresh tensor that nothing else holds."""
+        plain = plain_linear(lin, x)
+        if (plain and getattr(lin, 'bias', None) is not None
+                and not _is_compiling()):
+            return ops.linear(x, lin.weight, lin.bias), True
+        return lin(x), plain
 
     @staticmethod
     def materialize(lin: torch.nn.Module, x: Tensor) -> None:

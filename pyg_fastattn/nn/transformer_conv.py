@@ -7,8 +7,8 @@ import torch
 from torch import Tensor
 from torch_geometric.nn.conv import TransformerConv
 
-from .. import ops
-from .base import FusedAttentionConv, plain_linear
+from ..ops import _lib
+from .base import FusedAttentionConv
 from .graph import PreparedGraph, _is_compiling
 
 __all__ = ['FastTransformerConv']
@@ -90,8 +90,9 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         if isinstance(x, Tensor):
             x = (x, x)
         query = self.run_linear(self.lin_query, x[1]).view(-1, H, C)
-        key = self.run_linear(self.lin_key, x[0]).view(-1, H, C)
-        value = self.run_linear(self.lin_value, x[0]).view(-1, H, C)
+        key, plain_key = self.linear_plain(self.lin_key, x[0])
+        value, plain_value = self.linear_plain(self.lin_value, x[0])
+        key, value = key.view(-1, H, C), value.view(-1, H, C)
 
         graph = self.prepare_graph(edge_index, key, query, None, edge_attr)
         if self.lin_edge is None:
@@ -105,9 +106,7 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         compiling = _is_compiling()
         in_place = (self.grads_in_place and not compiling
                     and (self.root_weight or not self.concat)
-                    and self.lin_beta is None
-                    and plain_linear(self.lin_key, x[0])
-                    and plain_linear(self.lin_value, x[0]))
+                    and self.lin_beta is None and plain_key and plain_value)
         out, weights = self.fused_propagate(
             graph, value, (key, in_place), query, edge_attr, edge_index,
             isinstance(return_attention_weights, bool),
@@ -119,13 +118,12 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
             out = out.mean(dim=1)
 
         if self.root_weight:
-            x_r = self.run_linear(self.lin_skip, x[1])
+            x_r, plain_skip = self.linear_plain(self.lin_skip, x[1])
             if self.lin_beta is not None:
                 beta = self.lin_beta(torch.cat([out, x_r, out - x_r], dim=-1))
                 beta = beta.sigmoid()
                 out = beta * x_r + (1 - beta) * out
-            elif (not compiling and x_r.dtype == out.dtype
-                  and plain_linear(self.lin_skip, x[1])):
+            elif not compiling and x_r.dtype == out.dtype and plain_skip:
                 out = x_r.add_(out)  # x_r is the Linear's fresh output
             else:
                 out = out + x_r
@@ -155,11 +153,16 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
                mask: Optional[Tensor], return_lse: bool):
         """Score, softmax, dropout and aggregation in
         ``transformer_attention``."""
-        out, lse = ops.transformer_attention(
-            graph.rowptr, graph.col, score.query, score.key, values,
-            score.edge_term, mask, score.scale, csc=graph.csc,
-            return_lse=True, validate=False, max_lengths=graph.max_lengths,
-            grads_in_place=score.grads_in_place)
+        # The op itself (its wrapper's checks hold by construction here;
+        # under autocast the op casts every input).
+        dt = score.key.dtype
+        query, values, edge_term, mask = [
+            t if t is None or t.dtype == dt else t.to(dt)
+            for t in (score.query, values, score.edge_term, mask)]
+        out, lse = _lib.op('transformer_attention')(
+            graph.rowptr, graph.col, query, score.key, values, edge_term,
+            mask, score.scale, *tuple(graph.csc)[:3], *graph.max_lengths,
+            score.grads_in_place)
         return out, (lse if return_lse else None)
 
     def score_at(self, graph: PreparedGraph, score, pos: Tensor, src: Tensor,
