@@ -1,7 +1,14 @@
-// gatv2_attention: input checks shared by the CPU and CUDA kernels. Schema,
-// fake and autograd live in pyg_fastattn/ops/gatv2.py.
+// gatv2_attention: input checks shared by the CPU and CUDA kernels, and the
+// autograd kernel (C++, so forward and backward cost no Python). Schema,
+// fakes and a Python twin of the autograd formula (for builds without this
+// extension) live in pyg_fastattn/ops/gatv2.py.
+#include <torch/autograd.h>
+
+#include <array>
+
 #include "../common.h"
 #include "autocast.h"
+#include "autograd.h"
 
 namespace pyg_fastattn {
 
@@ -51,6 +58,166 @@ void check_gatv2_attention_backward(
                        lse, grad_out);
 }
 
+namespace {
+
+using OptTensor = c10::optional<at::Tensor>;
+using Outputs2 = std::tuple<at::Tensor, at::Tensor>;
+using Outputs4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+Outputs2 call_forward(const at::Tensor& rowptr, const at::Tensor& col,
+                      const at::Tensor& x_l, const at::Tensor& x_r,
+                      const OptTensor& edge_term, const at::Tensor& att,
+                      const OptTensor& mask, double slope,
+                      const OptTensor& bias, const OptTensor& colptr,
+                      const OptTensor& csc_row, const OptTensor& csc_perm,
+                      int64_t max_row_len, int64_t max_col_len) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pyg_fastattn::gatv2_attention", "")
+          .typed<Outputs2(const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&,
+                          const OptTensor&, const at::Tensor&,
+                          const OptTensor&, double, const OptTensor&,
+                          const OptTensor&, const OptTensor&,
+                          const OptTensor&, int64_t, int64_t)>();
+  return op.call(rowptr, col, x_l, x_r, edge_term, att, mask, slope, bias,
+                 colptr, csc_row, csc_perm, max_row_len, max_col_len);
+}
+
+Outputs4 call_backward(const at::Tensor& rowptr, const at::Tensor& col,
+                       const at::Tensor& colptr, const at::Tensor& csc_row,
+                       const at::Tensor& csc_perm, const at::Tensor& x_l,
+                       const at::Tensor& x_r, const OptTensor& edge_term,
+                       const at::Tensor& att, const OptTensor& mask,
+                       double slope, const OptTensor& bias,
+                       const at::Tensor& out, const at::Tensor& lse,
+                       const at::Tensor& grad_out, bool need_edge,
+                       int64_t max_row_len, int64_t max_col_len) {
+  static auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("pyg_fastattn::gatv2_attention_backward", "")
+          .typed<Outputs4(const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, const OptTensor&,
+                          const at::Tensor&, const OptTensor&, double,
+                          const OptTensor&, const at::Tensor&,
+                          const at::Tensor&, const at::Tensor&, bool, int64_t,
+                          int64_t)>();
+  return op.call(rowptr, col, colptr, csc_row, csc_perm, x_l, x_r, edge_term,
+                 att, mask, slope, bias, out, lse, grad_out, need_edge,
+                 max_row_len, max_col_len);
+}
+
+// The differentiable inputs (x_l, x_r, edge_term, att, bias) by argument
+// position.
+constexpr std::array<int, 5> kGradArgs = {2, 3, 4, 5, 8};
+constexpr int kNumArgs = 14;
+
+class GATv2AttentionFunction
+    : public torch::autograd::Function<GATv2AttentionFunction> {
+ public:
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, const at::Tensor& rowptr,
+      const at::Tensor& col, const at::Tensor& x_l, const at::Tensor& x_r,
+      const OptTensor& edge_term, const at::Tensor& att,
+      const OptTensor& mask, double slope, const OptTensor& bias,
+      const OptTensor& colptr, const OptTensor& csc_row,
+      const OptTensor& csc_perm, int64_t max_row_len, int64_t max_col_len) {
+    // needs_input_grad counts only the tensors that were passed: the
+    // position of each differentiable argument among them (-1: None).
+    const std::array<bool, kNumArgs> given = {
+        true, true, true, true, edge_term.has_value(), true, mask.has_value(),
+        false, bias.has_value(), colptr.has_value(), csc_row.has_value(),
+        csc_perm.has_value(), false, false};
+    std::vector<int64_t> edge(kGradArgs.size(), -1);
+    for (size_t k = 0; k < kGradArgs.size(); ++k) {
+      if (!given[kGradArgs[k]]) continue;
+      int64_t n = 0;
+      for (int i = 0; i < kGradArgs[k]; ++i) n += given[i];
+      edge[k] = n;
+    }
+    Outputs2 r;
+    {
+      at::AutoDispatchBelowADInplaceOrView guard;
+      r = call_forward(rowptr, col, x_l, x_r, edge_term, att, mask, slope,
+                       bias, colptr, csc_row, csc_perm, max_row_len,
+                       max_col_len);
+    }
+    auto& [out, lse] = r;
+    auto val = value_or_undefined;
+    ctx->save_for_backward({rowptr, col, x_l, x_r, val(edge_term), att,
+                            val(mask), val(bias), out, lse, val(colptr),
+                            val(csc_row), val(csc_perm)});
+    ctx->saved_data["slope"] = slope;
+    ctx->saved_data["max_row_len"] = max_row_len;
+    ctx->saved_data["max_col_len"] = max_col_len;
+    ctx->saved_data["edge"] = edge;
+    ctx->mark_non_differentiable({lse});
+    ctx->set_materialize_grads(false);
+    return {out, lse};
+  }
+
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list grads) {
+    torch::autograd::variable_list res(kNumArgs);
+    if (!grads[0].defined()) return res;
+    const auto edge = ctx->saved_data["edge"].toIntVector();
+    std::array<bool, kGradArgs.size()> need{};
+    for (size_t k = 0; k < need.size(); ++k)
+      need[k] = edge[k] >= 0 && ctx->needs_input_grad(edge[k]);
+    auto v = ctx->get_saved_variables();
+    at::Tensor rowptr = v[0], col = v[1], x_l = v[2], x_r = v[3],
+               edge_term = v[4], att = v[5], mask = v[6], bias = v[7],
+               out = v[8], lse = v[9], colptr = v[10], csc_row = v[11],
+               csc_perm = v[12];
+    if (!colptr.defined())
+      std::tie(colptr, csc_row, csc_perm) =
+          build_csc(rowptr, col, x_l.sym_size(0));
+    const at::Tensor grad_out = grads[0].contiguous();
+    auto [g_l, g_r, g_e, g_att] = call_backward(
+        rowptr, col, colptr, csc_row, csc_perm, x_l, x_r,
+        defined_or_none(edge_term), att, defined_or_none(mask),
+        ctx->saved_data["slope"].toDouble(), defined_or_none(bias), out, lse,
+        grad_out, need[2], ctx->saved_data["max_row_len"].toInt(),
+        ctx->saved_data["max_col_len"].toInt());
+    at::Tensor g_bias;
+    if (need[4]) {  // the column sum (the op: it has a fake for tracing)
+      static auto column_sum_op =
+          c10::Dispatcher::singleton()
+              .findSchemaOrThrow("pyg_fastattn::column_sum", "")
+              .typed<at::Tensor(const at::Tensor&)>();
+      g_bias = column_sum_op
+                   .call(grad_out.reshape_symint(
+                       {c10::SymInt(-1), bias.sym_numel()}))
+                   .view_symint(bias.sym_sizes());
+    }
+    const at::Tensor g[5] = {g_l, g_r, g_e, g_att, g_bias};
+    for (size_t k = 0; k < need.size(); ++k)
+      if (need[k]) res[kGradArgs[k]] = g[k];
+    return res;
+  }
+};
+
+Outputs2 gatv2_attention_autograd(
+    const at::Tensor& rowptr, const at::Tensor& col, const at::Tensor& x_l,
+    const at::Tensor& x_r, const OptTensor& edge_term, const at::Tensor& att,
+    const OptTensor& mask, double slope, const OptTensor& bias,
+    const OptTensor& colptr, const OptTensor& csc_row,
+    const OptTensor& csc_perm, int64_t max_row_len, int64_t max_col_len) {
+  auto r = GATv2AttentionFunction::apply(rowptr, col, x_l, x_r, edge_term,
+                                         att, mask, slope, bias, colptr,
+                                         csc_row, csc_perm, max_row_len,
+                                         max_col_len);
+  return {r[0], r[1]};
+}
+
+}  // namespace
 }  // namespace pyg_fastattn
+
+TORCH_LIBRARY_IMPL(pyg_fastattn, Autograd, m) {
+  m.impl("gatv2_attention", &pyg_fastattn::gatv2_attention_autograd);
+}
 
 PFA_REGISTER_AUTOCAST("gatv2_attention")

@@ -7,6 +7,7 @@
 
 #include "../common.h"
 #include "autocast.h"
+#include "autograd.h"
 
 namespace pyg_fastattn {
 
@@ -68,25 +69,6 @@ Outputs2 call_forward(const at::Tensor& rowptr, const at::Tensor& col,
   return op.call(rowptr, col, query, key, value, edge_term, mask, scale,
                  colptr, csc_row, csc_perm, max_row_len, max_col_len,
                  grads_in_place);
-}
-
-// The transpose for a caller that passed none: csr_to_csc's ATen ops
-// (pyg_fastattn/ops/csr.py), which fake tensors (tracing) run too.
-Outputs4 build_csc(const at::Tensor& rowptr, const at::Tensor& col,
-                   const c10::SymInt& num_cols) {
-  const c10::SymInt N = rowptr.sym_numel() - 1, E = col.sym_numel();
-  const at::ScalarType dt = rowptr.scalar_type();
-  const at::Tensor pos = at::arange(c10::Scalar(E), rowptr.options());
-  const at::Tensor row = at::searchsorted(rowptr.slice(0, 1).contiguous(),
-                                          pos, dt == at::kInt, true);
-  const at::Tensor key = col.masked_fill(row.ge(c10::Scalar(N)),
-                                         c10::Scalar(num_cols));
-  const at::Tensor perm = at::argsort(key, true);
-  const at::Tensor bounds =
-      at::arange(c10::Scalar(num_cols + 1), key.options());
-  const at::Tensor colptr =
-      at::searchsorted(key.index_select(0, perm), bounds).to(dt);
-  return {colptr, row.index_select(0, perm).to(dt), perm.to(dt), at::Tensor()};
 }
 
 // The backward ops' arguments, in schema order.
@@ -174,7 +156,7 @@ class TransformerAttentionFunction
                        grads_in_place);
     }
     auto& [out, lse] = r;
-    auto val = [](const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); };
+    auto val = value_or_undefined;
     ctx->save_for_backward({rowptr, col, query, key, value, val(edge_term),
                             val(mask), out, lse, val(colptr), val(csc_row),
                             val(csc_perm)});
@@ -209,11 +191,10 @@ class TransformerAttentionFunction
     const bool has_edge = edge_term.defined();
     const bool need_edge = has_edge && ctx->needs_input_grad(5);
     if (!colptr.defined())
-      std::tie(colptr, csc_row, csc_perm, std::ignore) =
+      std::tie(colptr, csc_row, csc_perm) =
           build_csc(rowptr, col, key.sym_size(0));
     const at::Tensor grad_out = grads[0].contiguous();
-    const OptTensor e = has_edge ? OptTensor(edge_term) : c10::nullopt;
-    const OptTensor m = mask.defined() ? OptTensor(mask) : c10::nullopt;
+    const OptTensor e = defined_or_none(edge_term), m = defined_or_none(mask);
     const double scale = ctx->saved_data["scale"].toDouble();
     const int64_t max_row = ctx->saved_data["max_row_len"].toInt();
     const int64_t max_col = ctx->saved_data["max_col_len"].toInt();

@@ -105,7 +105,8 @@ def _backward(ctx, grad_out, _grad_lse):
 
 
 _lib.register('gatv2_attention', fake=_fake, backward=_backward,
-              setup_context=_setup_context, autocast=True)
+              setup_context=_setup_context, autocast=True,
+              native_autograd=True)
 _lib.register('gatv2_attention_backward', fake=_fake_backward)
 
 

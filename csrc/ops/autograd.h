@@ -1,0 +1,39 @@
+// Helpers of the ops' C++ autograd kernels.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <tuple>
+
+namespace pyg_fastattn {
+
+// The transpose (colptr, row, perm) of a CSR graph for a backward whose
+// caller passed none: csr_to_csc's ATen ops (pyg_fastattn/ops/csr.py), which
+// fake tensors (tracing) and symbolic sizes run too.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> build_csc(
+    const at::Tensor& rowptr, const at::Tensor& col,
+    const c10::SymInt& num_cols) {
+  const c10::SymInt N = rowptr.sym_numel() - 1, E = col.sym_numel();
+  const at::ScalarType dt = rowptr.scalar_type();
+  const at::Tensor pos = at::arange(c10::Scalar(E), rowptr.options());
+  const at::Tensor row = at::searchsorted(rowptr.slice(0, 1).contiguous(),
+                                          pos, dt == at::kInt, true);
+  const at::Tensor key = col.masked_fill(row.ge(c10::Scalar(N)),
+                                         c10::Scalar(num_cols));
+  const at::Tensor perm = at::argsort(key, true);
+  const at::Tensor bounds =
+      at::arange(c10::Scalar(num_cols + 1), key.options());
+  const at::Tensor colptr =
+      at::searchsorted(key.index_select(0, perm), bounds).to(dt);
+  return {colptr, row.index_select(0, perm).to(dt), perm.to(dt)};
+}
+
+inline at::Tensor value_or_undefined(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? *t : at::Tensor();
+}
+
+inline c10::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
+  return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+}  // namespace pyg_fastattn
