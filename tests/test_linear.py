@@ -176,16 +176,17 @@ LAYERS = [(FastGATv2Conv, ['lin_l', 'lin_r']),
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('cls,lins', LAYERS)
 def test_layers_route_plain_linear(monkeypatch, device, cls, lins):
-    """Every biased plain Linear of the layer goes through ops.linear; with
-    a hook on one of them, that one is called as a module (the hook runs)
-    and the output does not change."""
+    """Every biased plain Linear of the layer goes through ops.linear (the
+    transformer's four of one node set as one call); with a hook on one of
+    them, that one is called as a module (the hook runs), the others
+    through ops.linear each, and the output does not change."""
     torch.manual_seed(0)
     conv = cls(8, 5, heads=2).to(device)
     x = torch.randn(12, 8, device=device)
     ei = torch.randint(12, (2, 40), device=device)
     calls = _count_linear(monkeypatch)
     out = conv(x, ei)
-    assert len(calls) == len(lins)
+    assert len(calls) == (1 if cls is FastTransformerConv else len(lins))
     seen = []
     h = getattr(conv, lins[0]).register_forward_hook(
         lambda m, i, o: seen.append(o.shape))
@@ -194,6 +195,50 @@ def test_layers_route_plain_linear(monkeypatch, device, cls, lins):
     h.remove()
     assert len(calls) == len(lins) - 1 and len(seen) == 1
     torch.testing.assert_close(out2, out)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('root_weight', [True, False])
+@pytest.mark.parametrize('in_place', [True, False])
+def test_transformer_fused_projections(monkeypatch, device, root_weight,
+                                       in_place):
+    """On one node set the query, key, value (and skip) Linears run as one
+    ops.linear; output and every gradient match four separate ones
+    (fuse_projections_max_elems = 0), with and without the in-place
+    backward. Bipartite input and larger inputs keep one call each."""
+    torch.manual_seed(0)
+    conv = FastTransformerConv(8, 5, heads=2, root_weight=root_weight,
+                               dropout=0.0).to(device)
+    conv.grads_in_place = in_place
+    x = torch.randn(12, 8, device=device, requires_grad=True)
+    ei = torch.randint(12, (2, 40), device=device)
+    g = torch.randn(12, 10, device=device)
+    k = 4 if root_weight else 3
+    leaves = [x] + list(conv.parameters())
+
+    def run():
+        out = conv(x, ei)
+        return out, torch.autograd.grad(out, leaves, g, allow_unused=True)
+
+    calls = _count_linear(monkeypatch)
+    out, grads = run()
+    assert len(calls) == 1
+    conv.fuse_projections_max_elems = 0
+    calls.clear()
+    out0, grads0 = run()
+    assert len(calls) == k
+    torch.testing.assert_close(out, out0)
+    assert sum(a is not None for a in grads) == 1 + 2 * k
+    for a, b in zip(grads, grads0):
+        torch.testing.assert_close(a, b)
+    conv.fuse_projections_max_elems = 12 * 10 * k - 1  # one element over
+    calls.clear()
+    run()
+    assert len(calls) == k
+    conv.fuse_projections_max_elems = 1 << 23
+    calls.clear()
+    conv((x, x.detach().clone()), ei)  # bipartite: two node sets
+    assert len(calls) == k
 
 
 @pytest.mark.parametrize('cls,lins', LAYERS)

@@ -7,8 +7,9 @@ import torch
 from torch import Tensor
 from torch_geometric.nn.conv import TransformerConv
 
+from .. import ops
 from ..ops import _lib
-from .base import FusedAttentionConv
+from .base import FusedAttentionConv, plain_linear
 from .graph import PreparedGraph, _is_compiling
 
 __all__ = ['FastTransformerConv']
@@ -73,6 +74,10 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
     ``'add'``, ``flow='target_to_source'`` and explain mode.
     """
     grads_in_place: bool = True
+    #: Up to this many projection outputs (nodes x (3 or 4) x H * C), the
+    #: query, key, value and skip Linears of one node set run as one GEMM
+    #: (see :meth:`_projections`); 0 turns it off.
+    fuse_projections_max_elems: int = 1 << 23
 
     def forward(  # noqa: F811
         self,
@@ -89,10 +94,9 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         H, C = self.heads, self.out_channels
         if isinstance(x, Tensor):
             x = (x, x)
-        query = self.run_linear(self.lin_query, x[1]).view(-1, H, C)
-        key, plain_key = self.linear_plain(self.lin_key, x[0])
-        value, plain_value = self.linear_plain(self.lin_value, x[0])
-        key, value = key.view(-1, H, C), value.view(-1, H, C)
+        query, key, value, x_r, fresh = self._projections(x)
+        query, key = query.view(-1, H, C), key.view(-1, H, C)
+        value = value.view(-1, H, C)
 
         graph = self.prepare_graph(edge_index, key, query, None, edge_attr)
         if self.lin_edge is None:
@@ -102,11 +106,11 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
                              "'edge_dim' (as in TransformerConv)")
         # Only this op holds out (the skip term or the mean makes the
         # output a new tensor; beta's Mul would save it) and key and value
-        # (its own plain Linears).
+        # (fresh outputs of its own plain Linears).
         compiling = _is_compiling()
         in_place = (self.grads_in_place and not compiling
                     and (self.root_weight or not self.concat)
-                    and self.lin_beta is None and plain_key and plain_value)
+                    and self.lin_beta is None and fresh[0])
         out, weights = self.fused_propagate(
             graph, value, (key, in_place), query, edge_attr, edge_index,
             isinstance(return_attention_weights, bool),
@@ -118,12 +122,11 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
             out = out.mean(dim=1)
 
         if self.root_weight:
-            x_r, plain_skip = self.linear_plain(self.lin_skip, x[1])
             if self.lin_beta is not None:
                 beta = self.lin_beta(torch.cat([out, x_r, out - x_r], dim=-1))
                 beta = beta.sigmoid()
                 out = beta * x_r + (1 - beta) * out
-            elif not compiling and x_r.dtype == out.dtype and plain_skip:
+            elif not compiling and x_r.dtype == out.dtype and fresh[1]:
                 out = x_r.add_(out)  # x_r is the Linear's fresh output
             else:
                 out = out + x_r
@@ -131,6 +134,40 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         if isinstance(return_attention_weights, bool):
             return out, weights
         return out
+
+    def _projections(self, x: Tuple[Tensor, Tensor]):
+        """``(query, key, value, skip, fresh)``: the Linears' outputs [*, H *
+        C] (``skip`` None without ``root_weight``); ``fresh``: (key and
+        value, skip) are fresh tensors that only this layer holds.
+
+        On one node set (``x`` a Tensor) with every Linear PyG's plain one
+        with a bias, and at most :attr:`fuse_projections_max_elems` output
+        elements, the four run as one GEMM over the concatenated weights
+        and one split into contiguous parts: a small graph's layer is bound
+        by the host, where one GEMM and its backward cost a third of four.
+        Larger graphs keep one GEMM each (no copy, no concatenated
+        output)."""
+        lins = [self.lin_query, self.lin_key, self.lin_value]
+        if self.root_weight:
+            lins.append(self.lin_skip)
+        src = x[0]
+        if (src is x[1] and not _is_compiling()
+                and all(getattr(lin, 'bias', None) is not None
+                        and plain_linear(lin, src) for lin in lins)):
+            sizes = [lin.weight.size(0) for lin in lins]
+            if src.size(0) * sum(sizes) <= self.fuse_projections_max_elems:
+                y = ops.linear(src, torch.cat([lin.weight for lin in lins]),
+                               torch.cat([lin.bias for lin in lins]))
+                ys = list(torch.split_with_sizes_copy(y, sizes, dim=1))
+                skip = ys[3] if self.root_weight else None
+                return ys[0], ys[1], ys[2], skip, (True, True)
+        query = self.run_linear(self.lin_query, x[1])
+        key, plain_key = self.linear_plain(self.lin_key, x[0])
+        value, plain_value = self.linear_plain(self.lin_value, x[0])
+        skip, plain_skip = (self.linear_plain(self.lin_skip, x[1])
+                            if self.root_weight else (None, False))
+        return query, key, value, skip, (plain_key and plain_value,
+                                         plain_skip)
 
     # Hooks ##################################################################
 
