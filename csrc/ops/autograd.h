@@ -2,8 +2,11 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <torch/autograd.h>
 
+#include <array>
 #include <tuple>
+#include <vector>
 
 namespace pyg_fastattn {
 
@@ -34,6 +37,33 @@ inline at::Tensor value_or_undefined(const c10::optional<at::Tensor>& t) {
 
 inline c10::optional<at::Tensor> defined_or_none(const at::Tensor& t) {
   return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt;
+}
+
+// needs_input_grad counts only the tensors that were passed: the position
+// among them of each differentiable argument (by its argument index in
+// grad_args), or -1 where it was None.
+template <size_t N, size_t K>
+std::vector<int64_t> grad_edges(const std::array<bool, N>& given,
+                                const std::array<int, K>& grad_args) {
+  std::vector<int64_t> edge(K, -1);
+  for (size_t k = 0; k < K; ++k) {
+    if (!given[grad_args[k]]) continue;
+    int64_t n = 0;
+    for (int i = 0; i < grad_args[k]; ++i) n += given[i];
+    edge[k] = n;
+  }
+  return edge;
+}
+
+// What the attention ops' forward keeps besides tensors: the length hints
+// for the backward; lse gets no gradient, and none is materialized for it.
+inline void save_attention_state(torch::autograd::AutogradContext* ctx,
+                                 const at::Tensor& lse, int64_t max_row_len,
+                                 int64_t max_col_len) {
+  ctx->saved_data["max_row_len"] = max_row_len;
+  ctx->saved_data["max_col_len"] = max_col_len;
+  ctx->mark_non_differentiable({lse});
+  ctx->set_materialize_grads(false);
 }
 
 }  // namespace pyg_fastattn

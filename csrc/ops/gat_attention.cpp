@@ -12,6 +12,7 @@
 
 #include "../common.h"
 #include "autocast.h"
+#include "autograd.h"
 
 namespace pyg_fastattn {
 #ifdef PFA_WITH_CUDA
@@ -341,20 +342,13 @@ class GATAttentionFunction
       const OptTensor& h_dst, const at::Tensor& att_dst,
       const OptTensor& a_edge, const OptTensor& mask, const OptTensor& bias,
       double slope, bool dst_is_src, int64_t max_row_len, int64_t max_col_len) {
-    // needs_input_grad counts only the tensors that were passed: the
-    // position of each differentiable argument among them (-1: None).
+    // Which tensors were passed (see grad_edges).
     const std::array<bool, kNumArgs> given = {
         true, true, true, true, true, true, x.has_value(),
         weight.has_value(), h_src.has_value(), true, h_dst.has_value(), true,
         a_edge.has_value(), mask.has_value(), bias.has_value(), false, false,
         false, false};
-    std::vector<int64_t> edge(8, -1);
-    for (size_t k = 0; k < kGradArgs.size(); ++k) {
-      if (!given[kGradArgs[k]]) continue;
-      int64_t n = 0;
-      for (int i = 0; i < kGradArgs[k]; ++i) n += given[i];
-      edge[k] = n;
-    }
+    const std::vector<int64_t> edge = grad_edges(given, kGradArgs);
     Outputs5 r;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
@@ -371,11 +365,9 @@ class GATAttentionFunction
          a_src, a_dst, val(a_edge), val(mask), val(bias), out, lse});
     ctx->saved_data["slope"] = slope;
     ctx->saved_data["dst_is_src"] = dst_is_src;
-    ctx->saved_data["max_row_len"] = max_row_len;
-    ctx->saved_data["max_col_len"] = max_col_len;
     ctx->saved_data["edge"] = edge;
+    save_attention_state(ctx, lse, max_row_len, max_col_len);
     ctx->mark_non_differentiable({lse, h, a_src, a_dst});
-    ctx->set_materialize_grads(false);
     return {out, lse, h, a_src, a_dst};
   }
 

@@ -124,19 +124,12 @@ class GATv2AttentionFunction
       const OptTensor& mask, double slope, const OptTensor& bias,
       const OptTensor& colptr, const OptTensor& csc_row,
       const OptTensor& csc_perm, int64_t max_row_len, int64_t max_col_len) {
-    // needs_input_grad counts only the tensors that were passed: the
-    // position of each differentiable argument among them (-1: None).
+    // Which tensors were passed (see grad_edges).
     const std::array<bool, kNumArgs> given = {
         true, true, true, true, edge_term.has_value(), true, mask.has_value(),
         false, bias.has_value(), colptr.has_value(), csc_row.has_value(),
         csc_perm.has_value(), false, false};
-    std::vector<int64_t> edge(kGradArgs.size(), -1);
-    for (size_t k = 0; k < kGradArgs.size(); ++k) {
-      if (!given[kGradArgs[k]]) continue;
-      int64_t n = 0;
-      for (int i = 0; i < kGradArgs[k]; ++i) n += given[i];
-      edge[k] = n;
-    }
+    const std::vector<int64_t> edge = grad_edges(given, kGradArgs);
     Outputs2 r;
     {
       at::AutoDispatchBelowADInplaceOrView guard;
@@ -150,11 +143,8 @@ class GATv2AttentionFunction
                             val(mask), val(bias), out, lse, val(colptr),
                             val(csc_row), val(csc_perm)});
     ctx->saved_data["slope"] = slope;
-    ctx->saved_data["max_row_len"] = max_row_len;
-    ctx->saved_data["max_col_len"] = max_col_len;
     ctx->saved_data["edge"] = edge;
-    ctx->mark_non_differentiable({lse});
-    ctx->set_materialize_grads(false);
+    save_attention_state(ctx, lse, max_row_len, max_col_len);
     return {out, lse};
   }
 

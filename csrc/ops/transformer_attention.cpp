@@ -163,12 +163,9 @@ class TransformerAttentionFunction
     // needs_input_grad counts the tensors passed: edge_term's index is 5
     // after rowptr, col, query, key and value.
     ctx->saved_data["scale"] = scale;
-    ctx->saved_data["max_row_len"] = max_row_len;
-    ctx->saved_data["max_col_len"] = max_col_len;
     ctx->saved_data["in_place"] = grads_in_place;
     ctx->saved_data["spent"] = false;
-    ctx->mark_non_differentiable({lse});
-    ctx->set_materialize_grads(false);
+    save_attention_state(ctx, lse, max_row_len, max_col_len);
     return {out, lse};
   }
 
