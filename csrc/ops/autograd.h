@@ -55,6 +55,17 @@ std::vector<int64_t> grad_edges(const std::array<bool, N>& given,
   return edge;
 }
 
+// In the backward: which of the K differentiable inputs need a gradient,
+// from the positions grad_edges gave (saved as "edge").
+template <size_t K>
+std::array<bool, K> needed_grads(torch::autograd::AutogradContext* ctx) {
+  const auto edge = ctx->saved_data["edge"].toIntVector();
+  std::array<bool, K> need{};
+  for (size_t k = 0; k < K; ++k)
+    need[k] = edge[k] >= 0 && ctx->needs_input_grad(edge[k]);
+  return need;
+}
+
 // What the attention ops' forward keeps besides tensors: the length hints
 // for the backward; lse gets no gradient, and none is materialized for it.
 inline void save_attention_state(torch::autograd::AutogradContext* ctx,

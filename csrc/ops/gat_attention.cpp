@@ -376,10 +376,7 @@ class GATAttentionFunction
       torch::autograd::variable_list grads) {
     torch::autograd::variable_list res(kNumArgs);
     if (!grads[0].defined()) return res;
-    const auto edge = ctx->saved_data["edge"].toIntVector();
-    std::array<bool, 8> output_mask{};
-    for (size_t k = 0; k < output_mask.size(); ++k)
-      output_mask[k] = edge[k] >= 0 && ctx->needs_input_grad(edge[k]);
+    const std::array<bool, 8> output_mask = needed_grads<8>(ctx);
     const auto g = call_gat_attention_backward(
         grads[0], ctx->get_saved_variables(),
         ctx->saved_data["slope"].toDouble(),

@@ -153,10 +153,7 @@ class GATv2AttentionFunction
       torch::autograd::variable_list grads) {
     torch::autograd::variable_list res(kNumArgs);
     if (!grads[0].defined()) return res;
-    const auto edge = ctx->saved_data["edge"].toIntVector();
-    std::array<bool, kGradArgs.size()> need{};
-    for (size_t k = 0; k < need.size(); ++k)
-      need[k] = edge[k] >= 0 && ctx->needs_input_grad(edge[k]);
+    const auto need = needed_grads<kGradArgs.size()>(ctx);
     auto v = ctx->get_saved_variables();
     at::Tensor rowptr = v[0], col = v[1], x_l = v[2], x_r = v[3],
                edge_term = v[4], att = v[5], mask = v[6], bias = v[7],
