@@ -177,16 +177,16 @@ LAYERS = [(FastGATv2Conv, ['lin_l', 'lin_r']),
 @pytest.mark.parametrize('cls,lins', LAYERS)
 def test_layers_route_plain_linear(monkeypatch, device, cls, lins):
     """Every biased plain Linear of the layer goes through ops.linear (the
-    transformer's four of one node set as one call); with a hook on one of
-    them, that one is called as a module (the hook runs), the others
-    through ops.linear each, and the output does not change."""
+    projections of one node set as one call); with a hook on one of them,
+    that one is called as a module (the hook runs), the others through
+    ops.linear each, and the output does not change."""
     torch.manual_seed(0)
     conv = cls(8, 5, heads=2).to(device)
     x = torch.randn(12, 8, device=device)
     ei = torch.randint(12, (2, 40), device=device)
     calls = _count_linear(monkeypatch)
     out = conv(x, ei)
-    assert len(calls) == (1 if cls is FastTransformerConv else len(lins))
+    assert len(calls) == 1
     seen = []
     h = getattr(conv, lins[0]).register_forward_hook(
         lambda m, i, o: seen.append(o.shape))
@@ -239,6 +239,48 @@ def test_transformer_fused_projections(monkeypatch, device, root_weight,
     calls.clear()
     conv((x, x.detach().clone()), ei)  # bipartite: two node sets
     assert len(calls) == k
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('bias', [True, False])
+@pytest.mark.parametrize('share_weights', [False, True])
+def test_gatv2_fused_projections(monkeypatch, device, bias, share_weights):
+    """On one node set lin_l and lin_r run as one ops.linear (with or
+    without their biases); output and every gradient match two separate
+    Linears (fuse_projections_max_elems = 0). Shared weights, bipartite
+    input and larger inputs are not fused."""
+    torch.manual_seed(0)
+    conv = FastGATv2Conv(8, 5, heads=2, bias=bias, dropout=0.0,
+                         share_weights=share_weights).to(device)
+    x = torch.randn(12, 8, device=device, requires_grad=True)
+    ei = torch.randint(12, (2, 40), device=device)
+    g = torch.randn(12, 10, device=device)
+    leaves = [x] + list(conv.parameters())
+    unfused = (1 if share_weights else 2) if bias else 0
+
+    def run():
+        out = conv(x, ei)
+        return out, torch.autograd.grad(out, leaves, g, allow_unused=True)
+
+    calls = _count_linear(monkeypatch)
+    out, grads = run()
+    assert len(calls) == (unfused if share_weights else 1)
+    conv.fuse_projections_max_elems = 0
+    calls.clear()
+    out0, grads0 = run()
+    assert len(calls) == unfused
+    torch.testing.assert_close(out, out0)
+    assert all(a is not None for a in grads)
+    for a, b in zip(grads, grads0):
+        torch.testing.assert_close(a, b)
+    conv.fuse_projections_max_elems = 12 * 10 * 2 - 1  # one element over
+    calls.clear()
+    run()
+    assert len(calls) == unfused
+    conv.fuse_projections_max_elems = 1 << 23
+    calls.clear()
+    conv((x, x.detach().clone()), ei)  # bipartite: a Linear per side
+    assert len(calls) == (2 if bias else 0)
 
 
 @pytest.mark.parametrize('cls,lins', LAYERS)

@@ -7,7 +7,7 @@ attention dropout, the dtype/autocast policy, the call into the fused
 softmax + aggregation kernels and ``return_attention_weights``.
 """
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -115,6 +115,10 @@ class FusedAttentionConv(MessagePassing):
     fused path needs ``'add'`` and ``'source_to_target'``, see
     :meth:`fused_path`).
     """
+    #: Up to this many output elements (nodes x total width), the
+    #: projections of one node set run as one GEMM (:meth:`fused_linears`);
+    #: 0 turns it off.
+    fuse_projections_max_elems: int = 1 << 23
 
     # Hooks ##################################################################
 
@@ -396,6 +400,27 @@ class FusedAttentionConv(MessagePassing):
                 and not _is_compiling()):
             return ops.linear(x, lin.weight, lin.bias), True
         return lin(x), plain
+
+    def fused_linears(self, lins, x: Tensor) -> Optional[List[Tensor]]:
+        """``[lin(x) for lin in lins]`` as one GEMM over the concatenated
+        weights and one split into contiguous parts, or None (then the
+        caller runs each Linear). It applies to PyG's plain Linears
+        (:func:`plain_linear`), all with a bias or all without, outside
+        ``torch.compile``, for at most :attr:`fuse_projections_max_elems`
+        outputs: a small graph's layer is bound by the host, where one GEMM
+        and its backward cost about half of two. Larger inputs keep one
+        GEMM each (no weight copies, no concatenated output)."""
+        biased = [getattr(lin, 'bias', None) is not None for lin in lins]
+        if (len(lins) < 2 or _is_compiling() or any(biased) != all(biased)
+                or not all(plain_linear(lin, x) for lin in lins)):
+            return None
+        sizes = [lin.weight.size(0) for lin in lins]
+        if x.size(0) * sum(sizes) > self.fuse_projections_max_elems:
+            return None
+        y = ops.linear(x, torch.cat([lin.weight for lin in lins]),
+                       torch.cat([lin.bias for lin in lins])
+                       if biased[0] else None)
+        return list(torch.split_with_sizes_copy(y, sizes, dim=1))
 
     @staticmethod
     def materialize(lin: torch.nn.Module, x: Tensor) -> None:

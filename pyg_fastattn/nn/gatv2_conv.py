@@ -87,11 +87,14 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
             assert x.dim() == 2
             if self.res is not None:
                 res = self.res(x)
-            x_l = self.run_linear(self.lin_l, x).view(-1, H, C)
-            if self.share_weights:
-                x_r = x_l
+            ys = (None if self.share_weights else
+                  self.fused_linears([self.lin_l, self.lin_r], x))
+            if ys is not None:
+                x_l, x_r = ys[0].view(-1, H, C), ys[1].view(-1, H, C)
             else:
-                x_r = self.run_linear(self.lin_r, x).view(-1, H, C)
+                x_l = self.run_linear(self.lin_l, x).view(-1, H, C)
+                x_r = (x_l if self.share_weights else
+                       self.run_linear(self.lin_r, x).view(-1, H, C))
         else:
             x_l, x_r = x[0], x[1]
             assert x[0].dim() == 2

@@ -74,10 +74,6 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
     ``'add'``, ``flow='target_to_source'`` and explain mode.
     """
     grads_in_place: bool = True
-    #: Up to this many projection outputs (nodes x (3 or 4) x H * C), the
-    #: query, key, value and skip Linears of one node set run as one GEMM
-    #: (see :meth:`_projections`); 0 turns it off.
-    fuse_projections_max_elems: int = 1 << 23
 
     def forward(  # noqa: F811
         self,
@@ -140,25 +136,14 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         C] (``skip`` None without ``root_weight``); ``fresh``: (key and
         value, skip) are fresh tensors that only this layer holds.
 
-        On one node set (``x`` a Tensor) with every Linear PyG's plain one
-        with a bias, and at most :attr:`fuse_projections_max_elems` output
-        elements, the four run as one GEMM over the concatenated weights
-        and one split into contiguous parts: a small graph's layer is bound
-        by the host, where one GEMM and its backward cost a third of four.
-        Larger graphs keep one GEMM each (no copy, no concatenated
-        output)."""
+        On one node set (``x`` a Tensor) the four run as one GEMM
+        (:meth:`fused_linears`) where they can."""
         lins = [self.lin_query, self.lin_key, self.lin_value]
         if self.root_weight:
             lins.append(self.lin_skip)
-        src = x[0]
-        if (src is x[1] and not _is_compiling()
-                and all(getattr(lin, 'bias', None) is not None
-                        and plain_linear(lin, src) for lin in lins)):
-            sizes = [lin.weight.size(0) for lin in lins]
-            if src.size(0) * sum(sizes) <= self.fuse_projections_max_elems:
-                y = ops.linear(src, torch.cat([lin.weight for lin in lins]),
-                               torch.cat([lin.bias for lin in lins]))
-                ys = list(torch.split_with_sizes_copy(y, sizes, dim=1))
+        if x[0] is x[1]:
+            ys = self.fused_linears(lins, x[0])
+            if ys is not None:
                 skip = ys[3] if self.root_weight else None
                 return ys[0], ys[1], ys[2], skip, (True, True)
         query = self.run_linear(self.lin_query, x[1])
