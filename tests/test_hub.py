@@ -471,6 +471,36 @@ def test_prepared_graph_max_lengths(device, idx, kind):
 
 
 @pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('conv', ['gat', 'gatv2', 'transformer'])
+def test_length_hint_only_on_reuse(device, conv):
+    """A layer on a graph it sees for the first time queues no length
+    reduction (a fresh mini-batch graph never pays for it); its second
+    step on the same graph queues it on CUDA, and the third reads it. On
+    the CPU nothing is ever queued."""
+    from pyg_fastattn import FastGATConv, FastGATv2Conv, FastTransformerConv
+    from pyg_fastattn import prepare
+    torch.manual_seed(0)
+    N = 50
+    ei = torch.randint(N, (2, 300), device=device)
+    x = torch.randn(N, 6, device=device)
+    cls = {'gat': FastGATConv, 'gatv2': FastGATv2Conv,
+           'transformer': FastTransformerConv}[conv]
+    layers = [cls(6, 4, heads=2).to(device) for _ in range(2)]
+    graph = prepare(ei, num_nodes=N, add_self_loops=conv != 'transformer')
+    for layer in layers:  # two layers, one step each: nothing queued
+        layer(x, graph).sum().backward()
+    assert graph._lengths is None
+    layers[0](x, graph).sum().backward()
+    if device == 'cpu':
+        assert graph._lengths is None
+        return
+    assert graph._lengths is not None
+    torch.cuda.synchronize()
+    layers[1](x, graph).sum().backward()
+    assert graph._lengths == _lengths(graph.rowptr, graph.csc.colptr)
+
+
+@pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('idx', IDX)
 def test_graph_lengths_op(device, idx):
     """The native graph_lengths op (what max_lengths reads on CUDA): the
@@ -532,9 +562,8 @@ def test_length_hint_reaches_the_kernels(monkeypatch, hint, conv):
     def step():
         layer(x, ei).sum().backward()
 
-    step()  # prepares and caches the graph, queues the reduction
-    torch.cuda.synchronize()
-    step()
+    step()  # prepares and caches the graph; the layer's first hint request
+    step()  # the layer asks again: the reduction is queued
     torch.cuda.synchronize()
     with torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:

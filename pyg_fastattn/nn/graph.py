@@ -119,6 +119,7 @@ class PreparedGraph:
     layout: str = 'edge_index'
     index_dtype: torch.dtype = torch.int64
     _lengths: Any = None  # None, (pinned host copy, event) or (rows, cols)
+    _hint_callers: Any = None  # ids of the layers that asked length_hint
 
     @property
     def max_lengths(self) -> Tuple[int, int]:
@@ -159,6 +160,23 @@ class PreparedGraph:
         rows, cols = host.tolist()
         self._lengths = (rows, cols)
         return self._lengths
+
+    def length_hint(self, caller: object) -> Tuple[int, int]:
+        """``max_lengths`` for a layer's kernels, queued only on reuse: a
+        caller's first request on this graph only notes the caller and
+        returns (-1, -1), so a graph used once (a fresh mini-batch) never
+        pays for the reduction; a cached graph queues it on the caller's
+        second step."""
+        st = self._lengths
+        if isinstance(st, tuple) and isinstance(st[0], int):
+            return st
+        if st is None and not _is_compiling():
+            if self._hint_callers is None:
+                self._hint_callers = set()
+            if id(caller) not in self._hint_callers:
+                self._hint_callers.add(id(caller))
+                return (-1, -1)
+        return self.max_lengths
 
     @property
     def fill_index(self) -> Optional[Tensor]:
