@@ -81,6 +81,11 @@ constexpr int64_t kSplitChunk = 2048;
 // the backward's column sums take at least kGatScoreRows rows per block.
 constexpr int64_t kGatScoreKernelElems = int64_t(1) << 24;
 constexpr int64_t kGatScoreRows = 64;
+// When x needs no gradient the backward can fold the score terms' gradient
+// through x (three more GEMMs and five helpers, less device traffic); up to
+// this many elements of h it takes the score kernel instead (host-bound
+// sizes, where each cuBLAS call costs more host time than its traffic).
+constexpr int64_t kGatScoreThroughXElems = int64_t(1) << 23;
 
 // CUDA edge_softmax one-pass path: score elements a lane holds in registers
 // in the forward, and of each of out and grad_out in the backward (double:

@@ -197,7 +197,8 @@ gat_attention(const at::Tensor& rowptr, const at::Tensor& col,
 // With `weight`, no gradient for x and F <= 2 * H * C, the score terms'
 // gradient goes through x: M = x.t() @ g_a [F, 2H] gives grad_weight =
 // g_h.t() @ x + B @ M.t() and grad_att from weight @ M; one GEMM reading x
-// replaces h.t() @ g_a and the update g_h += g_a @ B.t().
+// replaces h.t() @ g_a and the update g_h += g_a @ B.t(). Small h (at most
+// kGatScoreThroughXElems) takes the score kernel instead.
 std::vector<at::Tensor> gat_attention_backward(
     const at::Tensor& grad_out, const at::Tensor& rowptr, const at::Tensor& col,
     const at::Tensor& colptr, const at::Tensor& csc_row,
@@ -226,9 +227,12 @@ std::vector<at::Tensor> gat_attention_backward(
   if (!need_edge) g_z = at::Tensor();  // free before the GEMMs
   at::Tensor g_h2 = g_h.view({Ns, HC});
   at::Tensor g_x, g_w, g_h_dst, g_att_src, g_att_dst;
-  const bool through_x = weight.has_value() && !need_x && x->size(1) <= 2 * HC;
-  if (dst_is_src && !through_x && g_h.is_contiguous() &&
-      score_kernel(h, att_src, att_dst)) {
+  const bool kernel = dst_is_src && g_h.is_contiguous() &&
+                      score_kernel(h, att_src, att_dst);
+  const bool through_x = weight.has_value() && !need_x &&
+                         x->size(1) <= 2 * HC &&
+                         !(kernel && h.numel() <= kGatScoreThroughXElems);
+  if (kernel && !through_x) {
 #ifdef PFA_WITH_CUDA
     std::tie(g_att_src, g_att_dst) = cuda::gat_score_backward_cuda(
         h, g_h, g_src, g_dst, att_src, att_dst);
