@@ -319,8 +319,9 @@ def cuda_graph_epoch(model, x, ei, y, train_idx, lr, wd):
         for _ in range(3):
             opt.zero_grad(set_to_none=True)
             step()
-            # the layers' length hint, queued on the second step, must
-            # have landed by the third: capture cannot read it
+            # the graph's length hint (queued with its transpose in the
+            # first step) must have landed before capture, which cannot
+            # read it
             torch.cuda.synchronize(x.device)
     torch.cuda.current_stream().wait_stream(s)
     opt.zero_grad(set_to_none=True)

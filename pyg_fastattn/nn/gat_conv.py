@@ -169,7 +169,7 @@ class FastGATConv(FusedAttentionConv, GATConv):
             self.negative_slope, dst_is_src=shared,
             bias=bias if fuse else None, x=lin_x,
             weight=None if lin_x is None else self.lin.weight,
-            max_lengths=graph.length_hint(self)), fuse
+            max_lengths=graph.max_lengths), fuse
 
     def _fused_lin(self, x: Tensor, want_weights) -> bool:
         """Whether ``lin(x)`` can run inside the fused op: a bias-free

@@ -159,7 +159,7 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
             graph.rowptr, graph.col, score.x_l, score.x_r, self.att,
             score.edge_term, mask, self.negative_slope, csc=graph.csc,
             return_lse=True, validate=False, bias=bias,
-            max_lengths=graph.length_hint(self))
+            max_lengths=graph.max_lengths)
         return out, (lse if return_lse else None)
 
     def score_at(self, graph: PreparedGraph, score, pos: Tensor, src: Tensor,

@@ -118,41 +118,27 @@ class PreparedGraph:
     add_self_loops: bool
     layout: str = 'edge_index'
     index_dtype: torch.dtype = torch.int64
-    _lengths: Any = None  # None, (pinned host copy, event) or (rows, cols)
-    _hint_callers: Any = None  # ids of the layers that asked length_hint
+    # None (not queued), (pinned host copy, event) or (rows, cols)
+    _lengths: Any = None
 
     @property
     def max_lengths(self) -> Tuple[int, int]:
         """(longest CSR row, longest CSC column), or (-1, -1) while unknown:
         a hint for the CUDA kernels, which then skip their long-row split
         launches on graphs without long rows (host time). No host sync: the
-        first access on CUDA queues the reduction and a copy to pinned
-        memory; later accesses read it once the copy has landed. (-1, -1)
-        on the CPU and with ``PYG_FASTATTN_LENGTH_HINT=0``; under
-        ``torch.compile`` or CUDA-graph capture nothing is queued or read
-        (a graph resolved before keeps its numbers)."""
+        reduction and a copy to pinned memory are queued when the transpose
+        is built (or on the first access, if that comes first); accesses
+        read it once the copy has landed. (-1, -1) on the CPU and with
+        ``PYG_FASTATTN_LENGTH_HINT=0``; under ``torch.compile`` or CUDA-graph
+        capture nothing is queued or read (a graph resolved before keeps its
+        numbers)."""
         st = self._lengths
         if isinstance(st, tuple) and isinstance(st[0], int):
             return st
-        dev = self.rowptr.device
-        if (_is_compiling() or dev.type != 'cuda'
-                or torch.cuda.is_current_stream_capturing()
-                or os.environ.get('PYG_FASTATTN_LENGTH_HINT') == '0'):
+        if not self._may_queue():
             return (-1, -1)
         if st is None:
-            rowptr, colptr = self.rowptr, self.csc.colptr
-            with torch.cuda.device(dev):
-                if _ext.native_available(dev):  # one launch and a copy
-                    host = torch.ops.pyg_fastattn.graph_lengths(rowptr, colptr)
-                else:
-                    d = torch.stack([p.diff().amax() if p.numel() > 1 else
-                                     p.new_zeros(()) for p in (rowptr, colptr)])
-                    host = torch.full((2, ), -1, dtype=d.dtype,
-                                      pin_memory=True)
-                    host.copy_(d, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(dev))
-            self._lengths = (host, event)
+            self._queue_lengths()
             return (-1, -1)
         host, event = st
         if not event.query():
@@ -161,22 +147,25 @@ class PreparedGraph:
         self._lengths = (rows, cols)
         return self._lengths
 
-    def length_hint(self, caller: object) -> Tuple[int, int]:
-        """``max_lengths`` for a layer's kernels, queued only on reuse: a
-        caller's first request on this graph only notes the caller and
-        returns (-1, -1), so a graph used once (a fresh mini-batch) never
-        pays for the reduction; a cached graph queues it on the caller's
-        second step."""
-        st = self._lengths
-        if isinstance(st, tuple) and isinstance(st[0], int):
-            return st
-        if st is None and not _is_compiling():
-            if self._hint_callers is None:
-                self._hint_callers = set()
-            if id(caller) not in self._hint_callers:
-                self._hint_callers.add(id(caller))
-                return (-1, -1)
-        return self.max_lengths
+    def _may_queue(self) -> bool:
+        return (self.rowptr.device.type == 'cuda' and not _is_compiling()
+                and not torch.cuda.is_current_stream_capturing()
+                and os.environ.get('PYG_FASTATTN_LENGTH_HINT') != '0')
+
+    def _queue_lengths(self) -> None:
+        """Queue the reduction behind :attr:`max_lengths` (CUDA, eager), once."""
+        dev = self.rowptr.device
+        colptr = self.csc.colptr  # building it may have queued it already
+        if self._lengths is not None or not self._may_queue():
+            return
+        if _ext.native_available(dev):  # one launch and a copy
+            host = torch.ops.pyg_fastattn.graph_lengths(self.rowptr, colptr)
+        else:
+            d = torch.stack([p.diff().amax() if p.numel() > 1 else
+                             p.new_zeros(()) for p in (self.rowptr, colptr)])
+            host = torch.full((2, ), -1, dtype=d.dtype, pin_memory=True)
+            host.copy_(d, non_blocking=True)
+        self._lengths = (host, torch.cuda.current_stream(dev).record_event())
 
     @property
     def fill_index(self) -> Optional[Tensor]:
@@ -204,6 +193,8 @@ class PreparedGraph:
         # in memory that later replays (CUDA graphs) overwrite.
         if not _is_compiling():
             self._csc = csc
+            if self._lengths is None and self._may_queue():
+                self._queue_lengths()  # lands before the layers ask
         return csc
 
     @property

@@ -183,7 +183,7 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
             for t in (score.query, values, score.edge_term, mask)]
         out, lse = _lib.op('transformer_attention')(
             graph.rowptr, graph.col, query, score.key, values, edge_term,
-            mask, score.scale, *tuple(graph.csc)[:3], *graph.length_hint(self),
+            mask, score.scale, *tuple(graph.csc)[:3], *graph.max_lengths,
             score.grads_in_place)
         return out, (lse if return_lse else None)
 
