@@ -315,6 +315,8 @@ constexpr int64_t kGraphIndexLimit = 2147483647;  // 2^31 - 1
 // kernels (grid-stride loops beyond that).
 constexpr int kGraphBlock = 256;
 constexpr int64_t kGraphMaxBlocks = 8192;
+// graph_lengths: blocks at most (each ends with one atomic per maximum).
+constexpr unsigned kGraphLengthBlocks = 512;
 // CUDA: positions per thread of the tiled kernels (a block's tile holds
 // kGraphBlock * kGraphItems consecutive positions).
 constexpr int kGraphItems = 8;

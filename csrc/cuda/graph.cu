@@ -691,12 +691,16 @@ Outputs4 csc_build_cuda(const at::Tensor& rowptr_, const at::Tensor& col_,
 }
 
 // graph_lengths. One thread per pointer entry i of either pointer
-// (grid-stride over both): its row length (a decreasing step counts as 0),
-// a warp max, then one atomicMax per warp into out[k] (zeroed before).
+// (grid-stride over both, at most kGraphLengthBlocks blocks): its row length
+// (a decreasing step counts as 0), a warp max, a block max in shared memory,
+// then one atomicMax per block into out[k] (zeroed before): few atomics on
+// the two addresses, which serialize.
 template <typename index_t>
-__global__ void lengths_kernel(const index_t* __restrict__ rowptr, int64_t N,
-                               const index_t* __restrict__ colptr, int64_t C,
-                               unsigned long long* __restrict__ out) {
+__global__ void __launch_bounds__(kGraphBlock)
+    lengths_kernel(const index_t* __restrict__ rowptr, int64_t N,
+                   const index_t* __restrict__ colptr, int64_t C,
+                   unsigned long long* __restrict__ out) {
+  __shared__ unsigned long long s_max[2][kGraphBlock / 32];
   unsigned long long r = 0, c = 0;
   PFA_GRID_STRIDE(i, N > C ? N : C) {
     if (i < N) {
@@ -715,6 +719,15 @@ __global__ void lengths_kernel(const index_t* __restrict__ rowptr, int64_t N,
     c = c2 > c ? c2 : c;
   }
   if ((threadIdx.x & 31) == 0) {
+    s_max[0][threadIdx.x >> 5] = r;
+    s_max[1][threadIdx.x >> 5] = c;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kGraphBlock / 32; ++w) {
+      r = s_max[0][w] > r ? s_max[0][w] : r;
+      c = s_max[1][w] > c ? s_max[1][w] : c;
+    }
     if (r > 0) atomicMax(out, r);
     if (c > 0) atomicMax(out + 1, c);
   }
@@ -738,7 +751,9 @@ at::Tensor graph_lengths_cuda(const at::Tensor& rowptr_, const at::Tensor& colpt
   if (std::max(N, C) > 0) {
     PFA_DISPATCH_INDEX(rowptr.scalar_type(), "graph_lengths_cuda", [&] {
       lengths_kernel<index_t>
-          <<<graph_blocks(std::max(N, C)), kGraphBlock, 0, stream>>>(
+          <<<std::min<unsigned>(graph_blocks(std::max(N, C)),
+                                kGraphLengthBlocks),
+             kGraphBlock, 0, stream>>>(
               rowptr.const_data_ptr<index_t>(), N,
               colptr.const_data_ptr<index_t>(), C,
               reinterpret_cast<unsigned long long*>(dev.data_ptr<int64_t>()));
