@@ -138,7 +138,10 @@ class PreparedGraph:
         if not self._may_queue():
             return (-1, -1)
         if st is None:
-            self._queue_lengths()
+            if self._csc is None:
+                self.csc  # noqa: B018 (building it queues the reduction)
+            else:
+                self._queue_lengths()
             return (-1, -1)
         host, event = st
         if not event.query():
@@ -153,11 +156,9 @@ class PreparedGraph:
                 and os.environ.get('PYG_FASTATTN_LENGTH_HINT') != '0')
 
     def _queue_lengths(self) -> None:
-        """Queue the reduction behind :attr:`max_lengths` (CUDA, eager), once."""
-        dev = self.rowptr.device
-        colptr = self.csc.colptr  # building it may have queued it already
-        if self._lengths is not None or not self._may_queue():
-            return
+        """Queue the reduction behind :attr:`max_lengths`: once, with the
+        transpose built and :meth:`_may_queue` true (the callers check)."""
+        dev, colptr = self.rowptr.device, self._csc.colptr
         if _ext.native_available(dev):  # one launch and a copy
             host = torch.ops.pyg_fastattn.graph_lengths(self.rowptr, colptr)
         else:
