@@ -103,6 +103,14 @@ constexpr int64_t kSoftmaxSplitElems = 16384;
 // sum(0).
 constexpr int64_t kColumnSumGemvRows = 16384;
 
+// CUDA attention forward, one head per lane, kernels for a fixed set of
+// score terms (GAT, softmax_aggregate): resident blocks per SM they are
+// compiled for (__launch_bounds__); their gathers need many rows in flight.
+// The kernel that checks every term at run time (attention dropout, edge
+// features) holds more registers.
+constexpr int kAttnFwdBlocks = 4;
+constexpr int kAttnFwdBlocksAny = 3;
+
 // CUDA attention backward: resident blocks per SM its variants are compiled
 // for (__launch_bounds__): the full kernel (mask, a_edge, streaming units),
 // the lean ones (one head per lane, no mask), and the fp32 and bfloat16 lean

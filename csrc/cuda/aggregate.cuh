@@ -91,7 +91,12 @@ struct IdxChunk {
 // start + rank*ES + es + k * nranks*ES and, for each, loads its units of
 // values[j] (16-byte loads when V > 1; EB edges' loads in flight) and
 // accumulates w * values into acc. col == nullptr means j = e. Edges with j
-// outside [0, Ns) or rejected by fn.edge contribute nothing.
+// outside [0, Ns) or rejected by fn.edge_ok contribute nothing.
+// Each stage issues all EB edges' loads before any of them is used (the
+// indices, fn's per-edge terms, the rows, then fn.weights' loads), so a
+// batch waits for one round trip per stage, not one per edge.
+// Fn provides edge_aux(e, in) (a per-edge word, e.g. a weight's position),
+// edge_ok(aux), and weights<EB>(T, e, j, aux, ok, w) filling w[b][kh].
 template <int V, int KHQ, typename scalar_t, typename index_t, typename Fn>
 __device__ __forceinline__ void gather_accumulate(
     const LaneTile<KHQ>& T, int rank, int nranks, int64_t start, int64_t end,
@@ -109,13 +114,20 @@ __device__ __forceinline__ void gather_accumulate(
     for (int b = 0; b < EB; ++b) {
       e[b] = e0 + b * stride;
       ok[b] = e[b] < end;
-      j[b] = 0;
-      aux[b] = 0;
-      if (ok[b]) {
-        j[b] = col != nullptr ? static_cast<int64_t>(col[e[b]]) : e[b];
-        ok[b] = j[b] >= 0 && j[b] < Ns && fn.edge(e[b], aux[b]);
-      }
+      j[b] = e[b];
     }
+    if (col != nullptr) {
+      index_t c[EB];
+#pragma unroll
+      for (int b = 0; b < EB; ++b) c[b] = ok[b] ? col[e[b]] : index_t(0);
+#pragma unroll
+      for (int b = 0; b < EB; ++b) j[b] = static_cast<int64_t>(c[b]);
+    }
+#pragma unroll
+    for (int b = 0; b < EB; ++b) aux[b] = fn.edge_aux(e[b], ok[b]);
+#pragma unroll
+    for (int b = 0; b < EB; ++b)
+      ok[b] = ok[b] && j[b] >= 0 && j[b] < Ns && fn.edge_ok(aux[b]);
     Vec<scalar_t, V> raw[EB][KHQ];
 #pragma unroll
     for (int b = 0; b < EB; ++b)
@@ -124,15 +136,17 @@ __device__ __forceinline__ void gather_accumulate(
         raw[b][kh] = (ok[b] && T.uok[kh])
                          ? load_vec<scalar_t, V>(values + j[b] * D + T.uoff[kh])
                          : zero_vec<scalar_t, V>();
+    A wgt[EB][KHQ];
+    fn.template weights<EB>(T, e, j, aux, ok, wgt);
 #pragma unroll
     for (int b = 0; b < EB; ++b) {
       if (!ok[b]) continue;
 #pragma unroll
       for (int kh = 0; kh < KHQ; ++kh) {
         if (!T.uok[kh]) continue;
-        const A wgt = fn.weight(e[b], j[b], aux[b], kh);
 #pragma unroll
-        for (int v = 0; v < V; ++v) acc[kh][v] += wgt * vec_get(raw[b][kh], v);
+        for (int v = 0; v < V; ++v)
+          acc[kh][v] += wgt[b][kh] * vec_get(raw[b][kh], v);
       }
     }
   }

@@ -70,24 +70,39 @@ struct AttnArgs {
   acc_t<scalar_t>* part_ms;   // [2 * nwin, H, 2] forward (max, sum)
 };
 
-// z = a_src[j, h] + a_dst[i, h] + a_edge[e, h] (absent terms 0; adst is the
-// row's a_dst value or 0), in the reference's order.
-template <typename scalar_t, typename A>
-__device__ __forceinline__ A attn_z(const scalar_t* __restrict__ a_src,
-                                    const scalar_t* __restrict__ a_edge,
-                                    int H, int64_t e, int64_t j, int h,
-                                    A adst) {
-  A z = A(0);
-  if (a_src != nullptr) z += to_acc(a_src[j * H + h]);
-  z += adst;
-  if (a_edge != nullptr) z += to_acc(a_edge[e * H + h]);
-  return z;
-}
+// The score of edge e = (j -> i), head h: z = a_src[j, h] + a_dst[i, h] +
+// a_edge[e, h] (absent terms 0), summed in the reference's order from 0.
 
-// Forward edge weight: p = softmax(s)[e, h] * mask[e, h].
-template <typename scalar_t, int KHQ>
+// Which per-edge terms a forward kernel reads, fixed at compile time for the
+// common cases so that an edge's work has no branches on absent tensors
+// (the forward was bound by instruction issue, not by its gathers):
+// kFwdAny checks every pointer at run time; kFwdSrc has a_src and neither
+// a_edge nor mask (GAT); kFwdEdge has a_edge and neither a_src nor mask
+// (softmax_aggregate). a_dst is read once per row and checked at run time.
+enum FwdTerms { kFwdAny = 0, kFwdSrc = 1, kFwdEdge = 2 };
+
+template <int TERMS>
+struct FwdHas {
+  template <typename P>
+  __device__ __forceinline__ static bool src(const P* p) {
+    return TERMS == kFwdAny ? p != nullptr : TERMS == kFwdSrc;
+  }
+  template <typename P>
+  __device__ __forceinline__ static bool edge(const P* p) {
+    return TERMS == kFwdAny ? p != nullptr : TERMS == kFwdEdge;
+  }
+  template <typename P>
+  __device__ __forceinline__ static bool mask(const P* p) {
+    return TERMS == kFwdAny && p != nullptr;
+  }
+};
+
+// Forward edge weights: p = softmax(s)[e, h] * mask[e, h], for a batch of
+// EB edges: every load of the batch is issued before the first is used.
+template <typename scalar_t, int KHQ, int TERMS>
 struct AttnFwdWeight {
   using A = acc_t<scalar_t>;
+  using Has = FwdHas<TERMS>;
   const scalar_t* __restrict__ a_src;
   const scalar_t* __restrict__ a_edge;
   const scalar_t* __restrict__ mask;
@@ -95,13 +110,39 @@ struct AttnFwdWeight {
   A slope;
   int h[KHQ];
   A adst[KHQ], m[KHQ], s[KHQ], inv[KHQ];
-  __device__ __forceinline__ bool edge(int64_t, int64_t&) const { return true; }
-  __device__ __forceinline__ A weight(int64_t e, int64_t j, int64_t,
-                                      int kh) const {
-    const A x = leaky(attn_z(a_src, a_edge, H, e, j, h[kh], adst[kh]), slope);
-    A al = softmax_weight(x, m[kh], s[kh], inv[kh]);
-    if (mask != nullptr) al *= to_acc(mask[e * H + h[kh]]);
-    return al;
+  __device__ __forceinline__ int64_t edge_aux(int64_t, bool) const { return 0; }
+  __device__ __forceinline__ bool edge_ok(int64_t) const { return true; }
+  template <int EB>
+  __device__ __forceinline__ void weights(const LaneTile<KHQ>& T,
+                                          const int64_t (&e)[EB],
+                                          const int64_t (&j)[EB],
+                                          const int64_t (&)[EB],
+                                          const bool (&ok)[EB],
+                                          A (&w)[EB][KHQ]) const {
+    const bool has_src = Has::src(a_src), has_edge = Has::edge(a_edge),
+               has_mask = Has::mask(mask);
+    A zs[EB][KHQ], ze[EB][KHQ], mk[EB][KHQ];
+#pragma unroll
+    for (int b = 0; b < EB; ++b)
+#pragma unroll
+      for (int kh = 0; kh < KHQ; ++kh) {
+        const bool use = ok[b] && T.uok[kh];
+        zs[b][kh] = (has_src && use) ? to_acc(a_src[j[b] * H + h[kh]]) : A(0);
+        ze[b][kh] = (has_edge && use) ? to_acc(a_edge[e[b] * H + h[kh]]) : A(0);
+        mk[b][kh] = (has_mask && use) ? to_acc(mask[e[b] * H + h[kh]]) : A(1);
+      }
+#pragma unroll
+    for (int b = 0; b < EB; ++b)
+#pragma unroll
+      for (int kh = 0; kh < KHQ; ++kh) {
+        A z = A(0);  // the reference's order (above)
+        if (has_src) z += zs[b][kh];
+        z += adst[kh];
+        if (has_edge) z += ze[b][kh];
+        A al = softmax_weight(leaky(z, slope), m[kh], s[kh], inv[kh]);
+        if (has_mask) al *= mk[b][kh];
+        w[b][kh] = al;
+      }
   }
 };
 
@@ -123,7 +164,8 @@ struct AttnFwdWeight {
 // Edges [start, end) of row `row` (the whole row, or with PARTIAL one window
 // part of a long row, whose unnormalized sums and statistics go to slot
 // `slot` of the partials), processed by warp `rank` of `nranks`.
-template <bool PARTIAL, typename scalar_t, typename index_t, int V, int KHQ>
+template <bool PARTIAL, typename scalar_t, typename index_t, int V, int KHQ,
+          int TERMS>
 __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
                                         const TileLayout& L, int64_t row,
                                         int64_t start, int64_t end, int rank,
@@ -139,7 +181,9 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
       decode_tile<KHQ>(L, V, row, static_cast<int>(blockIdx.y), lane);
   const int64_t i = T.row;
 
-  AttnFwdWeight<scalar_t, KHQ> fn;
+  using Has = FwdHas<TERMS>;
+  const bool has_src = Has::src(a.a_src), has_edge = Has::edge(a.a_edge);
+  AttnFwdWeight<scalar_t, KHQ, TERMS> fn;
   fn.a_src = a.a_src;
   fn.a_edge = a.a_edge;
   fn.mask = a.mask;
@@ -162,7 +206,8 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
   for (int64_t e0 = first; e0 < end; e0 += stride * U) {
     int64_t e[U], j[U];
     bool ok[U];
-    A ae[U][KHQ];
+    A ae[U][KHQ], as[U][KHQ];
+    // every load of the batch is issued before the first is used
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       e[u] = e0 + u * stride;
@@ -171,21 +216,27 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
       // a_edge does not wait for col
 #pragma unroll
       for (int kh = 0; kh < KHQ; ++kh)
-        ae[u][kh] = (in && a.a_edge != nullptr && T.hok[kh])
+        ae[u][kh] = (in && has_edge && T.hok[kh])
                         ? to_acc(a.a_edge[e[u] * H + T.h[kh]])
                         : A(0);
       ok[u] = in && j[u] >= 0 && j[u] < a.Ns;
     }
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int kh = 0; kh < KHQ; ++kh)
+        as[u][kh] = (has_src && ok[u] && T.hok[kh])
+                        ? to_acc(a.a_src[j[u] * H + T.h[kh]])
+                        : A(0);
     A x[U][KHQ];
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int kh = 0; kh < KHQ; ++kh) {
-        A z = A(0);  // the reference's order, as attn_z
-        if (a.a_src != nullptr && ok[u] && T.hok[kh])
-          z += to_acc(a.a_src[j[u] * H + T.h[kh]]);
+        A z = A(0);  // the reference's order (above)
+        if (has_src) z += as[u][kh];
         z += fn.adst[kh];
-        if (a.a_edge != nullptr) z += ae[u][kh];
+        if (has_edge) z += ae[u][kh];
         x[u][kh] = (ok[u] && T.hok[kh]) ? leaky(z, a.slope) : neg_inf<A>();
       }
 #pragma unroll
@@ -252,8 +303,10 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
   }
 }
 
-template <typename scalar_t, typename index_t, int V, int KHQ>
-__global__ void __launch_bounds__(kBlock)
+template <typename scalar_t, typename index_t, int V, int KHQ, int TERMS>
+__global__ void __launch_bounds__(kBlock, (KHQ != 1            ? 1
+                                           : TERMS == kFwdAny ? kAttnFwdBlocksAny
+                                                              : kAttnFwdBlocks))
     attention_fwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
   __shared__ int64_t s_long[kWarpsPerBlock];
@@ -264,8 +317,9 @@ __global__ void __launch_bounds__(kBlock)
            [&](int64_t row, int rank, int nranks) {
     int64_t start, end;
     row_range(a.rowptr, row, a.E, start, end);
-    fwd_row<false, scalar_t, index_t, V, KHQ>(a, L, row, start, end, rank,
-                                              nranks, s_m, s_s, s_red, 0);
+    fwd_row<false, scalar_t, index_t, V, KHQ, TERMS>(a, L, row, start, end,
+                                                     rank, nranks, s_m, s_s,
+                                                     s_red, 0);
   });
 }
 
@@ -284,10 +338,9 @@ __global__ void __launch_bounds__(kBlock)
   for (int q = 0; q < 2; ++q) {
     int64_t row, s, t;
     if (!window_part(a.sp, a.rowptr, a.E, w, q, row, s, t)) continue;
-    fwd_row<true, scalar_t, index_t, V, KHQ>(a, L, row, s, t,
-                                             static_cast<int>(threadIdx.x >> 5),
-                                             kWarpsPerBlock, s_m, s_s, s_red,
-                                             2 * w + q);
+    fwd_row<true, scalar_t, index_t, V, KHQ, kFwdAny>(
+        a, L, row, s, t, static_cast<int>(threadIdx.x >> 5), kWarpsPerBlock,
+        s_m, s_s, s_red, 2 * w + q);
   }
 }
 
@@ -741,8 +794,26 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
                  stream>>>(a, L);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
-        attention_fwd_kernel<scalar_t, index_t, V, KHQ>
-            <<<grid, kBlock, 0, stream>>>(a, L);
+        // one head per lane: the common term sets get their own kernels
+        const int terms =
+            a.mask != nullptr ? kFwdAny
+            : (a.a_src != nullptr && a.a_edge == nullptr)  ? kFwdSrc
+            : (a.a_src == nullptr && a.a_edge != nullptr)  ? kFwdEdge
+                                                           : kFwdAny;
+        if constexpr (KHQ == 1) {
+          if (terms == kFwdSrc)
+            attention_fwd_kernel<scalar_t, index_t, V, KHQ, kFwdSrc>
+                <<<grid, kBlock, 0, stream>>>(a, L);
+          else if (terms == kFwdEdge)
+            attention_fwd_kernel<scalar_t, index_t, V, KHQ, kFwdEdge>
+                <<<grid, kBlock, 0, stream>>>(a, L);
+          else
+            attention_fwd_kernel<scalar_t, index_t, V, KHQ, kFwdAny>
+                <<<grid, kBlock, 0, stream>>>(a, L);
+        } else {
+          attention_fwd_kernel<scalar_t, index_t, V, KHQ, kFwdAny>
+              <<<grid, kBlock, 0, stream>>>(a, L);
+        }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
       launch_split_softmax_combine<scalar_t, index_t>(

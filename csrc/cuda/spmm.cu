@@ -23,24 +23,38 @@ struct SpmmArgs {
 // w(e, h) = weight[wperm[e] or e, h], or 1 without weight.
 template <typename scalar_t, typename index_t, int KHQ>
 struct SpmmWeight {
+  using A = acc_t<scalar_t>;
   const scalar_t* __restrict__ w_;
   const index_t* __restrict__ wperm;
   int64_t Ew;
   int H;
   int h[KHQ];
-  __device__ __forceinline__ bool edge(int64_t e, int64_t& aux) const {
-    if (w_ == nullptr) return true;
-    aux = wperm != nullptr ? static_cast<int64_t>(wperm[e]) : e;
-    return aux >= 0 && aux < Ew;
+  // The weight's position (wperm[e] or e); in: e is inside the row.
+  __device__ __forceinline__ int64_t edge_aux(int64_t e, bool in) const {
+    return (w_ != nullptr && wperm != nullptr)
+               ? (in ? static_cast<int64_t>(wperm[e]) : int64_t(0))
+               : e;
   }
-  __device__ __forceinline__ acc_t<scalar_t> weight_of(int64_t aux,
-                                                       int kh) const {
+  __device__ __forceinline__ bool edge_ok(int64_t aux) const {
+    return w_ == nullptr || (aux >= 0 && aux < Ew);
+  }
+  __device__ __forceinline__ A weight_of(int64_t aux, int kh) const {
     return to_acc(w_[aux * H + h[kh]]);
   }
-  __device__ __forceinline__ acc_t<scalar_t> weight(int64_t, int64_t,
-                                                    int64_t aux,
-                                                    int kh) const {
-    return w_ == nullptr ? acc_t<scalar_t>(1) : weight_of(aux, kh);
+  template <int EB>
+  __device__ __forceinline__ void weights(const LaneTile<KHQ>& T,
+                                          const int64_t (&)[EB],
+                                          const int64_t (&)[EB],
+                                          const int64_t (&aux)[EB],
+                                          const bool (&ok)[EB],
+                                          A (&w)[EB][KHQ]) const {
+#pragma unroll
+    for (int b = 0; b < EB; ++b)
+#pragma unroll
+      for (int kh = 0; kh < KHQ; ++kh)
+        w[b][kh] = w_ == nullptr ? A(1)
+                   : (ok[b] && T.uok[kh]) ? weight_of(aux[b], kh)
+                                          : A(0);
   }
 };
 
