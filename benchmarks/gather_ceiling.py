@@ -2,7 +2,7 @@
 """The gather ceiling: how fast can a kernel gather random 512-byte rows on
 this GPU, and how far is the package's attention forward from it?
 
-    python benchmarks/gather_ceiling.py        # CUDA only; needs nvcc
+    python benchmarks/gather_ceiling.py        # Hopper (sm_90) GPU and nvcc
 
 Builds ``gather_ceiling.cu`` (beside this file) with nvcc into a shared
 library called through ctypes, then times each probe kernel on a uniform

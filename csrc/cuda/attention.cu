@@ -75,7 +75,7 @@ struct AttnArgs {
 
 // Which per-edge terms a forward kernel reads, fixed at compile time for the
 // common cases so that an edge's work has no branches on absent tensors
-// (the forward was bound by instruction issue, not by its gathers):
+// (each check, and each load behind one, is paid per edge and head):
 // kFwdAny checks every pointer at run time; kFwdSrc has a_src and neither
 // a_edge nor mask (GAT); kFwdEdge has a_edge and neither a_src nor mask
 // (softmax_aggregate). a_dst is read once per row and checked at run time.
