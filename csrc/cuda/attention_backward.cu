@@ -118,6 +118,12 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const R& r, A aedge,
 // adds the partials in window order.
 enum BwdMode { kBwdFull = 0, kBwdLean = 1, kBwdEdge = 2 };
 
+// Entries of a column a lane has in flight per batch.
+template <typename scalar_t, int KHQ>
+constexpr int bwd_batch() {
+  return KHQ == 1 && sizeof(scalar_t) <= 4 ? 4 : 1;
+}
+
 // Resident blocks per SM a backward variant is compiled for (common.h).
 template <typename scalar_t, int MODE, bool PARTIAL>
 constexpr int bwd_min_blocks() {
@@ -130,12 +136,17 @@ constexpr int bwd_min_blocks() {
 }
 
 template <typename scalar_t, typename index_t, int V, int KHQ, int MODE,
-          bool PARTIAL>
+          bool PARTIAL, int OWN>
 __global__ void __launch_bounds__(kBlock,
                                   (bwd_min_blocks<scalar_t, MODE, PARTIAL>()))
     attention_bwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
-  constexpr int EB = KHQ == 1 && sizeof(scalar_t) <= 4 ? 4 : 1;
+  constexpr int EB = bwd_batch<scalar_t, KHQ>();
+  // Lean modes: each batch entry is scored by one of STRIDE lanes of its
+  // head (OWN entries a lane, LH >= STRIDE); kBwdFull: by every lane.
+  static_assert(OWN >= 1 && EB % OWN == 0, "OWN divides the batch");
+  static_assert(MODE != kBwdFull || OWN == EB, "kBwdFull scores every entry");
+  constexpr int STRIDE = EB / OWN;
   __shared__ int64_t s_long[kWarpsPerBlock];
   __shared__ A s_red[kWarpsPerBlock * kWarp * KHQ * V];
   const int H = L.H;
@@ -168,7 +179,8 @@ __global__ void __launch_bounds__(kBlock,
     // stay index_t (registers bound this kernel). The trip counts are
     // warp-uniform (shuffles inside and in body).
     const int batch = T.ES * EB;
-    const bool need_e = a_edge != nullptr || mask != nullptr || gz_csr;
+    const bool need_e =
+        MODE != kBwdLean && (a_edge != nullptr || mask != nullptr || gz_csr);
     auto walk = [&](auto&& body) {
       for (int64_t c0 = start + rank * kWarp; c0 < end; c0 += kWarp * nranks) {
         IdxChunk<index_t> ci, ce;
@@ -184,8 +196,9 @@ __global__ void __launch_bounds__(kBlock,
             const int sl = q + b * T.ES + T.es;
             in[b] = sl < cnt;
             i[b] = ci.get(sl);
-            e[b] = ce.get(sl);
-            ok[b] = in[b] && i[b] >= 0 && i[b] < a.N && e[b] >= 0 && e[b] < a.E;
+            e[b] = MODE == kBwdLean ? index_t(0) : ce.get(sl);
+            ok[b] = in[b] && i[b] >= 0 && i[b] < a.N &&
+                    (MODE == kBwdLean || (e[b] >= 0 && e[b] < a.E));
           }
           body(i, e, c0 + q, in, ok);
         }
@@ -228,73 +241,180 @@ __global__ void __launch_bounds__(kBlock,
       }
     }
 
-    walk([&](const index_t (&i)[EB], const index_t (&e)[EB], int64_t k0,
-             const bool (&wr)[EB], const bool (&ok)[EB]) {
-      RI ri[EB][KHQ];
-      A ae[EB][KHQ], mk[EB][KHQ];
-      load_terms(i, e, ok, ri, ae, mk);
-      Vec<scalar_t, V> raw[EB][KHQ];
+    if constexpr (MODE != kBwdFull) {
+      // Lean modes (KHQ == 1): lane cl scores the entries b = own0 +
+      // STRIDE*m of each batch; a reduce-scatter over the head's lanes gives
+      // it their dots, and the owners' weights reach every lane by shuffles.
+      const int own0 = T.cl & (STRIDE - 1);
+      const int gbase = lane_id() & ~(T.LH - 1);
+      const int h = T.h[0];
+      walk([&](const index_t (&i)[EB], const index_t (&e)[EB], int64_t k0,
+               const bool (&wr)[EB], const bool (&ok)[EB]) {
+        index_t io[OWN], eo[OWN];
+        bool oko[OWN], wro[OWN];
 #pragma unroll
-      for (int b = 0; b < EB; ++b)
+        for (int m = 0; m < OWN; ++m) {
+          io[m] = i[STRIDE * m];
+          eo[m] = e[STRIDE * m];
+          oko[m] = ok[STRIDE * m];
+          wro[m] = wr[STRIDE * m];
 #pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh)
-          raw[b][kh] =
-              (ok[b] && T.uok[kh])
-                  ? load_vec<scalar_t, V>(grad_out + static_cast<int64_t>(i[b]) * D + T.uoff[kh])
-                  : zero_vec<scalar_t, V>();
-      A dot[EB][KHQ];
+          for (int s = 1; s < STRIDE; ++s)
+            if (own0 == s) {
+              io[m] = i[STRIDE * m + s];
+              eo[m] = e[STRIDE * m + s];
+              oko[m] = ok[STRIDE * m + s];
+              wro[m] = wr[STRIDE * m + s];
+            }
+        }
+        RI ri[OWN];
+        A ae[OWN];
 #pragma unroll
-      for (int b = 0; b < EB; ++b)
+        for (int m = 0; m < OWN; ++m) {
+          const bool use = oko[m] && T.hok[0];
+          if (use)
+            ri[m] = rinfo[static_cast<int64_t>(io[m]) * H + h];
+          else
+            row_none(ri[m]);
+          ae[m] = (EDGE && use)
+                      ? to_acc(a_edge[static_cast<int64_t>(eo[m]) * H + h])
+                      : A(0);
+        }
+        Vec<scalar_t, V> raw[EB];
 #pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh) {
+        for (int b = 0; b < EB; ++b)
+          raw[b] = (ok[b] && T.uok[0])
+                       ? load_vec<scalar_t, V>(
+                             grad_out + static_cast<int64_t>(i[b]) * D + T.uoff[0])
+                       : zero_vec<scalar_t, V>();
+        A dot[EB];
+#pragma unroll
+        for (int b = 0; b < EB; ++b) {
           A d = A(0);
 #pragma unroll
-          for (int v = 0; v < V; ++v) d += vec_get(raw[b][kh], v) * vj[kh][v];
-          dot[b][kh] = d;
+          for (int v = 0; v < V; ++v) d += vec_get(raw[b], v) * vj[0][v];
+          dot[b] = d;
         }
-      for (int kc = 1; kc < KC; ++kc) {  // streaming mode only
-        const int c = T.cl + 32 * kc;
-        if (c < L.CU && T.hok[0]) {
-          const int64_t off = static_cast<int64_t>(T.h[0]) * L.C +
-                              static_cast<int64_t>(c) * V;
-          const Vec<scalar_t, V> r = load_vec<scalar_t, V>(v_row + off);
+        // Reduce-scatter over lane bits 0 .. log2(STRIDE) - 1: a lane keeps
+        // the entries whose bit matches its own and sends the others (the
+        // same pairwise sums as xor_sum); then a butterfly over the rest.
 #pragma unroll
-          for (int b = 0; b < EB; ++b) {
-            if (!ok[b]) continue;
-            const Vec<scalar_t, V> g =
-                load_vec<scalar_t, V>(grad_out + static_cast<int64_t>(i[b]) * D + off);
+        for (int t = 0, n = EB; n > OWN; ++t, n >>= 1) {
+          const bool hi = (T.cl >> t) & 1;
 #pragma unroll
-            for (int v = 0; v < V; ++v)
-              dot[b][0] += vec_get(g, v) * vec_get(r, v);
+          for (int m = 0; m < n / 2; ++m) {
+            const A keep = hi ? dot[2 * m + 1] : dot[2 * m];
+            const A send = hi ? dot[2 * m] : dot[2 * m + 1];
+            dot[m] = keep + __shfl_xor_sync(kFullMask, send, 1 << t);
           }
         }
-      }
+        for (int off = STRIDE; off < T.LH; off <<= 1) {
 #pragma unroll
-      for (int b = 0; b < EB; ++b)
+          for (int m = 0; m < OWN; ++m)
+            dot[m] += __shfl_xor_sync(kFullMask, dot[m], off);
+        }
+        A p[OWN];
 #pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh) dot[b][kh] = xor_sum(dot[b][kh], 1, T.LH);
-#pragma unroll
-      for (int b = 0; b < EB; ++b) {
-#pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh) {
+        for (int m = 0; m < OWN; ++m) {
           A z;
           bool fin;
-          const A alpha = bwd_alpha(asrc[kh], ri[b][kh], ae[b][kh], a.slope, z, fin);
-          const A gs = alpha * (mk[b][kh] * dot[b][kh] - ri[b][kh].delta);
+          const A alpha = bwd_alpha(asrc[0], ri[m], ae[m], a.slope, z, fin);
+          const A gs = alpha * (dot[m] - ri[m].delta);
           const A gzv = fin ? (z > A(0) ? gs : gs * a.slope) : A(0);
-          if (wr[b] && T.hok[kh] && T.cl == 0) {
+          if (wro[m] && T.hok[0] && T.cl < STRIDE) {
             const int64_t pos =
-                gz_csr ? (ok[b] ? static_cast<int64_t>(e[b]) : -1)
-                         : k0 + b * T.ES + T.es;
-            if (pos >= 0) a.gz[pos * H + T.h[kh]] = from_acc<scalar_t>(gzv);
+                gz_csr ? (oko[m] ? static_cast<int64_t>(eo[m]) : -1)
+                       : k0 + static_cast<int64_t>(own0 + STRIDE * m) * T.ES + T.es;
+            if (pos >= 0) a.gz[pos * H + h] = from_acc<scalar_t>(gzv);
           }
-          gsrc[kh][0] += gzv;
-          const A p = alpha * mk[b][kh];
-#pragma unroll
-          for (int v = 0; v < V; ++v) acc[kh][v] += p * vec_get(raw[b][kh], v);
+          gsrc[0][0] += gzv;
+          p[m] = alpha;
         }
-      }
-    });
+#pragma unroll
+        for (int b = 0; b < EB; ++b) {
+          const A pb = STRIDE == 1 ? p[b]
+                                   : __shfl_sync(kFullMask, p[b / STRIDE],
+                                                 gbase | (b % STRIDE));
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[0][v] += pb * vec_get(raw[b], v);
+        }
+      });
+      // the owners' grad_z sums (lanes cl >= STRIDE hold copies)
+      if constexpr (STRIDE > 1) gsrc[0][0] = xor_sum(gsrc[0][0], 1, STRIDE);
+    } else {
+      walk([&](const index_t (&i)[EB], const index_t (&e)[EB], int64_t k0,
+               const bool (&wr)[EB], const bool (&ok)[EB]) {
+        RI ri[EB][KHQ];
+        A ae[EB][KHQ], mk[EB][KHQ];
+        load_terms(i, e, ok, ri, ae, mk);
+        Vec<scalar_t, V> raw[EB][KHQ];
+  #pragma unroll
+        for (int b = 0; b < EB; ++b)
+  #pragma unroll
+          for (int kh = 0; kh < KHQ; ++kh)
+            raw[b][kh] =
+                (ok[b] && T.uok[kh])
+                    ? load_vec<scalar_t, V>(grad_out + static_cast<int64_t>(i[b]) * D + T.uoff[kh])
+                    : zero_vec<scalar_t, V>();
+        A dot[EB][KHQ];
+  #pragma unroll
+        for (int b = 0; b < EB; ++b)
+  #pragma unroll
+          for (int kh = 0; kh < KHQ; ++kh) {
+            A d = A(0);
+  #pragma unroll
+            for (int v = 0; v < V; ++v) d += vec_get(raw[b][kh], v) * vj[kh][v];
+            dot[b][kh] = d;
+          }
+        for (int kc = 1; kc < KC; ++kc) {  // streaming mode only
+          const int c = T.cl + 32 * kc;
+          if (c < L.CU && T.hok[0]) {
+            const int64_t off = static_cast<int64_t>(T.h[0]) * L.C +
+                                static_cast<int64_t>(c) * V;
+            const Vec<scalar_t, V> r = load_vec<scalar_t, V>(v_row + off);
+  #pragma unroll
+            for (int b = 0; b < EB; ++b) {
+              if (!ok[b]) continue;
+              const Vec<scalar_t, V> g =
+                  load_vec<scalar_t, V>(grad_out + static_cast<int64_t>(i[b]) * D + off);
+  #pragma unroll
+              for (int v = 0; v < V; ++v)
+                dot[b][0] += vec_get(g, v) * vec_get(r, v);
+            }
+          }
+        }
+        // the head's LH lanes sum each dot; the batch's shuffles of one step
+        // are issued together (each value's order of additions as xor_sum's)
+        for (int off = 1; off < T.LH; off <<= 1) {
+  #pragma unroll
+          for (int b = 0; b < EB; ++b)
+  #pragma unroll
+            for (int kh = 0; kh < KHQ; ++kh)
+              dot[b][kh] += __shfl_xor_sync(kFullMask, dot[b][kh], off);
+        }
+  #pragma unroll
+        for (int b = 0; b < EB; ++b) {
+  #pragma unroll
+          for (int kh = 0; kh < KHQ; ++kh) {
+            A z;
+            bool fin;
+            const A alpha = bwd_alpha(asrc[kh], ri[b][kh], ae[b][kh], a.slope, z, fin);
+            const A gs = alpha * (mk[b][kh] * dot[b][kh] - ri[b][kh].delta);
+            const A gzv = fin ? (z > A(0) ? gs : gs * a.slope) : A(0);
+            if (wr[b] && T.hok[kh] && T.cl == 0) {
+              const int64_t pos =
+                  gz_csr ? (ok[b] ? static_cast<int64_t>(e[b]) : -1)
+                           : k0 + b * T.ES + T.es;
+              if (pos >= 0) a.gz[pos * H + T.h[kh]] = from_acc<scalar_t>(gzv);
+            }
+            gsrc[kh][0] += gzv;
+            const A p = alpha * mk[b][kh];
+  #pragma unroll
+            for (int v = 0; v < V; ++v) acc[kh][v] += p * vec_get(raw[b][kh], v);
+          }
+        }
+      });
+    }
     reduce_edge_slots<V, KHQ>(T, acc);
     reduce_edge_slots<1, KHQ>(T, gsrc);
     if (nranks > 1) {
@@ -446,7 +566,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
       const TileLayout L = make_layout(H, C, vec ? VW : 1, false);
       // The lean modes: one head per lane, no mask or streaming units.
       // kBwdEdge (softmax_aggregate) reads RowInfoLD, written by its prologue.
-      const bool lean = vec && L.khq == 1 && L.KC == 1 && !mask.defined();
+      // Heads of one lane (LH == 1) with a 4-entry batch take kBwdFull.
+      constexpr int EBL = bwd_batch<scalar_t, 1>();
+      const int LH = 1 << L.lh_log;
+      const bool lean = vec && L.khq == 1 && L.KC == 1 && !mask.defined() &&
+                        (EBL == 1 || LH >= 2);
       const bool edge = lean && grad_z_csr && !a_src.defined() &&
                         !a_dst.defined();
       if (edge)
@@ -466,16 +590,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
         part = at::empty({2 * a.sp.nwin, H * C + H}, lse.options());
         a.part_acc = part.data_ptr<A>();
       }
-      auto launch_lean = [&](auto mode) {
-        constexpr int M = decltype(mode)::value;
+      // OWN: batch entries a lane scores (EBL / OWN <= LH lanes a head).
+      auto launch_own = [&](auto mode, auto own) {
+        constexpr int M = decltype(mode)::value, O = decltype(own)::value;
         if (a.sp.nwin > 0) {
-          attention_bwd_kernel<scalar_t, index_t, VW, 1, M, true>
+          attention_bwd_kernel<scalar_t, index_t, VW, 1, M, true, O>
               <<<pgrid, kBlock, 0, stream>>>(a, L);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
-        attention_bwd_kernel<scalar_t, index_t, VW, 1, M, false>
+        attention_bwd_kernel<scalar_t, index_t, VW, 1, M, false, O>
             <<<grid, kBlock, 0, stream>>>(a, L);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
+      };
+      auto launch_lean = [&](auto mode) {
+        if constexpr (EBL == 1)
+          launch_own(mode, std::integral_constant<int, 1>());
+        else if (LH >= EBL)
+          launch_own(mode, std::integral_constant<int, 1>());
+        else
+          launch_own(mode, std::integral_constant<int, EBL / 2>());
       };
       if (lean && !grad_z_csr && !a_edge.defined()) {
         launch_lean(std::integral_constant<int, kBwdLean>());
@@ -484,12 +617,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
       } else {
         dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
           constexpr int V = decltype(v)::value, KHQ = decltype(k)::value;
+          constexpr int O = bwd_batch<scalar_t, KHQ>();
           if (a.sp.nwin > 0) {
-            attention_bwd_kernel<scalar_t, index_t, V, KHQ, kBwdFull, true>
+            attention_bwd_kernel<scalar_t, index_t, V, KHQ, kBwdFull, true, O>
                 <<<pgrid, kBlock, 0, stream>>>(a, L);
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           }
-          attention_bwd_kernel<scalar_t, index_t, V, KHQ, kBwdFull, false>
+          attention_bwd_kernel<scalar_t, index_t, V, KHQ, kBwdFull, false, O>
               <<<grid, kBlock, 0, stream>>>(a, L);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
