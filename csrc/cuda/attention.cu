@@ -36,7 +36,10 @@ struct FwdHas {
 
 // Forward edge weights: p = softmax(s)[e, h] * mask[e, h], for a batch of
 // EB edges: every load of the batch is issued before the first is used.
-template <typename scalar_t, int KHQ, int TERMS>
+// OWN < EB (one head per lane, LH >= EB / OWN lanes a head): lane cl
+// computes the weights of edges b = (cl % STRIDE) + STRIDE*m only, and the
+// head's lanes take them from their owners by shuffles.
+template <typename scalar_t, int KHQ, int TERMS, int OWN>
 struct AttnFwdWeight {
   using A = acc_t<scalar_t>;
   using Has = FwdHas<TERMS>;
@@ -58,6 +61,48 @@ struct AttnFwdWeight {
                                           A (&w)[EB][KHQ]) const {
     const bool has_src = Has::src(a_src), has_edge = Has::edge(a_edge),
                has_mask = Has::mask(mask);
+    if constexpr (KHQ == 1 && OWN < EB) {
+      static_assert(EB % OWN == 0, "OWN divides the batch");
+      constexpr int STRIDE = EB / OWN;
+      const int own0 = T.cl & (STRIDE - 1);
+      int64_t jo[OWN], eo[OWN];
+      bool use[OWN];
+#pragma unroll
+      for (int q = 0; q < OWN; ++q) {
+        jo[q] = j[STRIDE * q];
+        eo[q] = e[STRIDE * q];
+        use[q] = ok[STRIDE * q];
+#pragma unroll
+        for (int r = 1; r < STRIDE; ++r)
+          if (own0 == r) {
+            jo[q] = j[STRIDE * q + r];
+            eo[q] = e[STRIDE * q + r];
+            use[q] = ok[STRIDE * q + r];
+          }
+        use[q] = use[q] && T.hok[0];
+      }
+      A zs[OWN], ze[OWN], mk[OWN], al[OWN];
+#pragma unroll
+      for (int q = 0; q < OWN; ++q) {
+        zs[q] = (has_src && use[q]) ? to_acc(a_src[jo[q] * H + h[0]]) : A(0);
+        ze[q] = (has_edge && use[q]) ? to_acc(a_edge[eo[q] * H + h[0]]) : A(0);
+        mk[q] = (has_mask && use[q]) ? to_acc(mask[eo[q] * H + h[0]]) : A(1);
+      }
+#pragma unroll
+      for (int q = 0; q < OWN; ++q) {
+        A z = A(0);  // the reference's order (above)
+        if (has_src) z += zs[q];
+        z += adst[0];
+        if (has_edge) z += ze[q];
+        al[q] = softmax_weight(leaky(z, slope), m[0], s[0], inv[0]);
+        if (has_mask) al[q] *= mk[q];
+      }
+      const int gbase = lane_id() & ~(T.LH - 1);
+#pragma unroll
+      for (int b = 0; b < EB; ++b)
+        w[b][0] = __shfl_sync(kFullMask, al[b / STRIDE], gbase | (b % STRIDE));
+      return;
+    }
     A zs[EB][KHQ], ze[EB][KHQ], mk[EB][KHQ];
 #pragma unroll
     for (int b = 0; b < EB; ++b)
@@ -102,7 +147,7 @@ struct AttnFwdWeight {
 // part of a long row, whose unnormalized sums and statistics go to slot
 // `slot` of the partials), processed by warp `rank` of `nranks`.
 template <bool PARTIAL, typename scalar_t, typename index_t, int V, int KHQ,
-          int TERMS>
+          int TERMS, int OWN>
 __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
                                         const TileLayout& L, int64_t row,
                                         int64_t start, int64_t end, int rank,
@@ -120,7 +165,7 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
 
   using Has = FwdHas<TERMS>;
   const bool has_src = Has::src(a.a_src), has_edge = Has::edge(a.a_edge);
-  AttnFwdWeight<scalar_t, KHQ, TERMS> fn;
+  AttnFwdWeight<scalar_t, KHQ, TERMS, OWN> fn;
   fn.a_src = a.a_src;
   fn.a_edge = a.a_edge;
   fn.mask = a.mask;
@@ -240,7 +285,8 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
   }
 }
 
-template <typename scalar_t, typename index_t, int V, int KHQ, int TERMS>
+template <typename scalar_t, typename index_t, int V, int KHQ, int TERMS,
+          int OWN>
 __global__ void __launch_bounds__(kBlock, (KHQ != 1            ? 1
                                            : TERMS == kFwdAny ? kAttnFwdBlocksAny
                                                               : kAttnFwdBlocks))
@@ -254,7 +300,7 @@ __global__ void __launch_bounds__(kBlock, (KHQ != 1            ? 1
            [&](int64_t row, int rank, int nranks) {
     int64_t start, end;
     row_range(a.rowptr, row, a.E, start, end);
-    fwd_row<false, scalar_t, index_t, V, KHQ, TERMS>(a, L, row, start, end,
+    fwd_row<false, scalar_t, index_t, V, KHQ, TERMS, OWN>(a, L, row, start, end,
                                                      rank, nranks, s_m, s_s,
                                                      s_red, 0);
   });
@@ -275,7 +321,8 @@ __global__ void __launch_bounds__(kBlock)
   for (int q = 0; q < 2; ++q) {
     int64_t row, s, t;
     if (!window_part(a.sp, a.rowptr, a.E, w, q, row, s, t)) continue;
-    fwd_row<true, scalar_t, index_t, V, KHQ, kFwdAny>(
+    fwd_row<true, scalar_t, index_t, V, KHQ, kFwdAny,
+            edge_batch<KHQ, V, scalar_t>()>(
         a, L, row, s, t, static_cast<int>(threadIdx.x >> 5), kWarpsPerBlock,
         s_m, s_s, s_red, 2 * w + q);
   }
@@ -343,19 +390,30 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
             : (a.a_src != nullptr && a.a_edge == nullptr)  ? kFwdSrc
             : (a.a_src == nullptr && a.a_edge != nullptr)  ? kFwdEdge
                                                            : kFwdAny;
-        if constexpr (KHQ == 1) {
-          if (terms == kFwdSrc)
-            attention_fwd_kernel<scalar_t, index_t, V, KHQ, kFwdSrc>
-                <<<grid, kBlock, 0, stream>>>(a, L);
-          else if (terms == kFwdEdge)
-            attention_fwd_kernel<scalar_t, index_t, V, KHQ, kFwdEdge>
-                <<<grid, kBlock, 0, stream>>>(a, L);
-          else
-            attention_fwd_kernel<scalar_t, index_t, V, KHQ, kFwdAny>
-                <<<grid, kBlock, 0, stream>>>(a, L);
-        } else {
-          attention_fwd_kernel<scalar_t, index_t, V, KHQ, kFwdAny>
+        constexpr int EB = edge_batch<KHQ, V, scalar_t>();
+        // OWN: edges of a batch whose weights a lane computes (EB: all;
+        // 1 when a head has at least EB lanes to share them).
+        auto launch = [&](auto terms_c, auto own) {
+          attention_fwd_kernel<scalar_t, index_t, V, KHQ,
+                               decltype(terms_c)::value, decltype(own)::value>
               <<<grid, kBlock, 0, stream>>>(a, L);
+        };
+        if constexpr (KHQ == 1) {
+          auto by_own = [&](auto terms_c) {
+            if ((1 << L.lh_log) >= EB)
+              launch(terms_c, std::integral_constant<int, 1>());
+            else
+              launch(terms_c, std::integral_constant<int, EB>());
+          };
+          if (terms == kFwdSrc)
+            by_own(std::integral_constant<int, kFwdSrc>());
+          else if (terms == kFwdEdge)
+            by_own(std::integral_constant<int, kFwdEdge>());
+          else
+            by_own(std::integral_constant<int, kFwdAny>());
+        } else {
+          launch(std::integral_constant<int, kFwdAny>(),
+                 std::integral_constant<int, EB>());
         }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
