@@ -121,6 +121,22 @@ constexpr int kAttnBwdBlocksLean = 3;
 constexpr int kAttnBwdBlocksLeanFp32 = 4;
 constexpr int kAttnBwdBlocksLeanBf16 = 4;
 
+// CUDA attention with one head per lane: each weight of an edge batch is
+// computed by one lane of its head and shuffled to the others ("owner
+// lanes"), where these say so; otherwise every lane computes every weight.
+// kOwnerLanesBwdFp32: the float32 backward without per-edge terms;
+// kOwnerLanesBwdOther: the other lean backward kernels (half types,
+// softmax_aggregate's). PYG_FASTATTN_OWNER_LANES=0 / 1 (tests, A/B runs)
+// turns them off / on everywhere; read at every launch.
+constexpr bool kOwnerLanesFwd = true;
+constexpr bool kOwnerLanesBwdFp32 = true;
+constexpr bool kOwnerLanesBwdOther = false;
+
+inline bool owner_lanes(bool dflt) {
+  const char* env = std::getenv("PYG_FASTATTN_OWNER_LANES");
+  return (env == nullptr || *env == '\0') ? dflt : std::atoi(env) != 0;
+}
+
 struct SplitPlan {
   int64_t split;  // rows with more edges than this are split (>= chunk)
   int64_t chunk;  // edges per chunk

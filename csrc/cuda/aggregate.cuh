@@ -106,13 +106,14 @@ __device__ __forceinline__ void gather_accumulate(
   using A = acc_t<scalar_t>;
   constexpr int EB = edge_batch<KHQ, V, scalar_t>();
   const int64_t stride = static_cast<int64_t>(T.ES) * nranks;
-  const int64_t first = start + static_cast<int64_t>(rank) * T.ES + T.es;
-  for (int64_t e0 = first; e0 < end; e0 += stride * EB) {
+  // the trip count is warp-uniform (fn.weights may shuffle)
+  for (int64_t e0 = start + static_cast<int64_t>(rank) * T.ES; e0 < end;
+       e0 += stride * EB) {
     int64_t e[EB], j[EB], aux[EB];
     bool ok[EB];
 #pragma unroll
     for (int b = 0; b < EB; ++b) {
-      e[b] = e0 + b * stride;
+      e[b] = e0 + T.es + b * stride;
       ok[b] = e[b] < end;
       j[b] = e[b];
     }

@@ -134,7 +134,8 @@ struct AttnFwdWeight {
 //   lane takes edges (es * LH + cl) + ES*LH*k, so the row's (edge, head)
 //   pairs are split over all 32 lanes (a_edge loads issued with the col
 //   loads, not after them); merged over the cl and es lane bits.
-// Pass 2: gather_accumulate (aggregate.cuh) with w = alpha * mask: lane
+// Pass 2: gather_accumulate (aggregate.cuh) with w = alpha * mask (OWN < EB:
+//   computed by owner lanes, AttnFwdWeight): lane
 //   (es, hs, cl) walks edges es + ES*k and accumulates its 16-byte unit of
 //   values[col[e]] for each of its heads; the ES edge slots are summed with
 //   shuffles; slot 0 stores them plus bias. Channel tile 0 also writes lse.
@@ -400,7 +401,7 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
         };
         if constexpr (KHQ == 1) {
           auto by_own = [&](auto terms_c) {
-            if ((1 << L.lh_log) >= EB)
+            if (owner_lanes(kOwnerLanesFwd) && (1 << L.lh_log) >= EB)
               launch(terms_c, std::integral_constant<int, 1>());
             else
               launch(terms_c, std::integral_constant<int, EB>());

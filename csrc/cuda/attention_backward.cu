@@ -92,7 +92,11 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const R& r, A aedge,
 // the batch (RowInfo of (i, h), a_edge / mask of (e, h), its units of
 // grad_out[i]), then reduces <grad_out[i,h], values[j,h]> over the
 // head's LH lanes, recomputes alpha and accumulates alpha*mask*grad_out[i]
-// (grad_values) and grad_z (grad_a_src); lane cl == 0 writes grad_z[k, h]
+// (grad_values) and grad_z (grad_a_src). With owner lanes (OWN < EB, lean
+// modes) lane cl loads the row info of, reduces (reduce-scatter) and scores
+// only the entries b = cl % STRIDE + STRIDE*m, writes their grad_z, and
+// shuffles alpha to the head's lanes; otherwise every lane scores every
+// entry and lane cl == 0 writes grad_z[k, h]
 // (CSC order: consecutive entries, coalesced; or grad_z[e, h], scattered,
 // when the caller needs it in CSR order). Edge slots are summed with
 // shuffles; columns with more than coop_edges(...) entries are shared by the 8
@@ -566,11 +570,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
       const TileLayout L = make_layout(H, C, vec ? VW : 1, false);
       // The lean modes: one head per lane, no mask or streaming units.
       // kBwdEdge (softmax_aggregate) reads RowInfoLD, written by its prologue.
-      // Heads of one lane (LH == 1) with a 4-entry batch take kBwdFull.
       constexpr int EBL = bwd_batch<scalar_t, 1>();
       const int LH = 1 << L.lh_log;
-      const bool lean = vec && L.khq == 1 && L.KC == 1 && !mask.defined() &&
-                        (EBL == 1 || LH >= 2);
+      const bool lean = vec && L.khq == 1 && L.KC == 1 && !mask.defined();
       const bool edge = lean && grad_z_csr && !a_src.defined() &&
                         !a_dst.defined();
       if (edge)
@@ -603,12 +605,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       auto launch_lean = [&](auto mode) {
+        const bool own = owner_lanes(
+            decltype(mode)::value == kBwdLean && sizeof(scalar_t) == 4
+                ? kOwnerLanesBwdFp32
+                : kOwnerLanesBwdOther);
         if constexpr (EBL == 1)
           launch_own(mode, std::integral_constant<int, 1>());
-        else if (LH >= EBL)
+        else if (own && LH >= EBL)
           launch_own(mode, std::integral_constant<int, 1>());
+        else if (own && LH == EBL / 2)
+          launch_own(mode, std::integral_constant<int, 2>());
         else
-          launch_own(mode, std::integral_constant<int, EBL / 2>());
+          launch_own(mode, std::integral_constant<int, EBL>());
       };
       if (lean && !grad_z_csr && !a_edge.defined()) {
         launch_lean(std::integral_constant<int, kBwdLean>());
