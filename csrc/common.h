@@ -137,6 +137,19 @@ inline bool owner_lanes(bool dflt) {
   return (env == nullptr || *env == '\0') ? dflt : std::atoi(env) != 0;
 }
 
+// The float32 lean attention backward with owner lanes and at least this
+// many lanes a head can keep this many entries a lane in flight (at three
+// blocks per SM instead of four); bwd_wide_batch() says whether it does:
+// PYG_FASTATTN_BWD_WIDE=0 / 1 (tests, A/B runs) overrides the default.
+constexpr int kAttnBwdWideBatch = 8;
+constexpr bool kAttnBwdWideDefault = false;
+
+inline bool bwd_wide_batch() {
+  const char* env = std::getenv("PYG_FASTATTN_BWD_WIDE");
+  return (env == nullptr || *env == '\0') ? kAttnBwdWideDefault
+                                           : std::atoi(env) != 0;
+}
+
 struct SplitPlan {
   int64_t split;  // rows with more edges than this are split (>= chunk)
   int64_t chunk;  // edges per chunk

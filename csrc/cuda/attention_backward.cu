@@ -129,9 +129,9 @@ constexpr int bwd_batch() {
 }
 
 // Resident blocks per SM a backward variant is compiled for (common.h).
-template <typename scalar_t, int MODE, bool PARTIAL>
+template <typename scalar_t, int MODE, bool PARTIAL, int EB>
 constexpr int bwd_min_blocks() {
-  constexpr bool lean = MODE == kBwdLean && !PARTIAL;
+  constexpr bool lean = MODE == kBwdLean && !PARTIAL && EB <= 4;
   return MODE == kBwdFull ? kAttnBwdBlocksFull
          : (lean && sizeof(scalar_t) == 4) ? kAttnBwdBlocksLeanFp32
          : (lean && std::is_same<scalar_t, at::BFloat16>::value)
@@ -139,17 +139,19 @@ constexpr int bwd_min_blocks() {
              : kAttnBwdBlocksLean;
 }
 
+// EB: entries of a column a lane has in flight per batch (bwd_batch, or
+// kAttnBwdWideBatch for the float32 lean kernel with owner lanes).
 template <typename scalar_t, typename index_t, int V, int KHQ, int MODE,
-          bool PARTIAL, int OWN>
+          bool PARTIAL, int EB, int OWN>
 __global__ void __launch_bounds__(kBlock,
-                                  (bwd_min_blocks<scalar_t, MODE, PARTIAL>()))
+                                  (bwd_min_blocks<scalar_t, MODE, PARTIAL, EB>()))
     attention_bwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
-  constexpr int EB = bwd_batch<scalar_t, KHQ>();
   // Lean modes: each batch entry is scored by one of STRIDE lanes of its
   // head (OWN entries a lane, LH >= STRIDE); kBwdFull: by every lane.
   static_assert(OWN >= 1 && EB % OWN == 0, "OWN divides the batch");
-  static_assert(MODE != kBwdFull || OWN == EB, "kBwdFull scores every entry");
+  static_assert(MODE != kBwdFull || (OWN == EB && EB == bwd_batch<scalar_t, KHQ>()),
+                "kBwdFull scores every entry");
   constexpr int STRIDE = EB / OWN;
   __shared__ int64_t s_long[kWarpsPerBlock];
   __shared__ A s_red[kWarpsPerBlock * kWarp * KHQ * V];
@@ -592,31 +594,44 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
         part = at::empty({2 * a.sp.nwin, H * C + H}, lse.options());
         a.part_acc = part.data_ptr<A>();
       }
-      // OWN: batch entries a lane scores (EBL / OWN <= LH lanes a head).
-      auto launch_own = [&](auto mode, auto own) {
-        constexpr int M = decltype(mode)::value, O = decltype(own)::value;
+      // OWN: batch entries a lane scores (EB / OWN <= LH lanes a head).
+      auto launch_own = [&](auto mode, auto eb, auto own) {
+        constexpr int M = decltype(mode)::value, B = decltype(eb)::value,
+                      O = decltype(own)::value;
         if (a.sp.nwin > 0) {
-          attention_bwd_kernel<scalar_t, index_t, VW, 1, M, true, O>
+          attention_bwd_kernel<scalar_t, index_t, VW, 1, M, true, B, O>
               <<<pgrid, kBlock, 0, stream>>>(a, L);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
-        attention_bwd_kernel<scalar_t, index_t, VW, 1, M, false, O>
+        attention_bwd_kernel<scalar_t, index_t, VW, 1, M, false, B, O>
             <<<grid, kBlock, 0, stream>>>(a, L);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
+      using EBc = std::integral_constant<int, EBL>;
       auto launch_lean = [&](auto mode) {
         const bool own = owner_lanes(
             decltype(mode)::value == kBwdLean && sizeof(scalar_t) == 4
                 ? kOwnerLanesBwdFp32
                 : kOwnerLanesBwdOther);
-        if constexpr (EBL == 1)
-          launch_own(mode, std::integral_constant<int, 1>());
-        else if (own && LH >= EBL)
-          launch_own(mode, std::integral_constant<int, 1>());
-        else if (own && LH == EBL / 2)
-          launch_own(mode, std::integral_constant<int, 2>());
-        else
-          launch_own(mode, std::integral_constant<int, EBL>());
+        constexpr bool wide_ok = decltype(mode)::value == kBwdLean &&
+                                 sizeof(scalar_t) == 4 && EBL == 4;
+        if constexpr (EBL == 1) {
+          launch_own(mode, EBc(), std::integral_constant<int, 1>());
+        } else {
+          if constexpr (wide_ok) {
+            if (own && LH >= kAttnBwdWideBatch && bwd_wide_batch()) {
+              launch_own(mode, std::integral_constant<int, kAttnBwdWideBatch>(),
+                         std::integral_constant<int, 1>());
+              return;
+            }
+          }
+          if (own && LH >= EBL)
+            launch_own(mode, EBc(), std::integral_constant<int, 1>());
+          else if (own && LH == EBL / 2)
+            launch_own(mode, EBc(), std::integral_constant<int, 2>());
+          else
+            launch_own(mode, EBc(), EBc());
+        }
       };
       if (lean && !grad_z_csr && !a_edge.defined()) {
         launch_lean(std::integral_constant<int, kBwdLean>());
@@ -627,11 +642,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
           constexpr int V = decltype(v)::value, KHQ = decltype(k)::value;
           constexpr int O = bwd_batch<scalar_t, KHQ>();
           if (a.sp.nwin > 0) {
-            attention_bwd_kernel<scalar_t, index_t, V, KHQ, kBwdFull, true, O>
+            attention_bwd_kernel<scalar_t, index_t, V, KHQ, kBwdFull, true, O, O>
                 <<<pgrid, kBlock, 0, stream>>>(a, L);
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           }
-          attention_bwd_kernel<scalar_t, index_t, V, KHQ, kBwdFull, false, O>
+          attention_bwd_kernel<scalar_t, index_t, V, KHQ, kBwdFull, false, O, O>
               <<<grid, kBlock, 0, stream>>>(a, L);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });
