@@ -106,6 +106,7 @@ __device__ __forceinline__ void gather_accumulate(
   using A = acc_t<scalar_t>;
   constexpr int EB = edge_batch<KHQ, V, scalar_t>();
   const int64_t stride = static_cast<int64_t>(T.ES) * nranks;
+  const auto slim = index_limit<index_t>(Ns);
   // the trip count is warp-uniform (fn.weights may shuffle)
   for (int64_t e0 = start + static_cast<int64_t>(rank) * T.ES; e0 < end;
        e0 += stride * EB) {
@@ -117,18 +118,25 @@ __device__ __forceinline__ void gather_accumulate(
       ok[b] = e[b] < end;
       j[b] = e[b];
     }
+    bool jin[EB];
     if (col != nullptr) {
       index_t c[EB];
 #pragma unroll
       for (int b = 0; b < EB; ++b) c[b] = ok[b] ? col[e[b]] : index_t(0);
 #pragma unroll
-      for (int b = 0; b < EB; ++b) j[b] = static_cast<int64_t>(c[b]);
+      for (int b = 0; b < EB; ++b) {
+        j[b] = static_cast<int64_t>(c[b]);
+        jin[b] = index_in(c[b], slim);
+      }
+    } else {
+#pragma unroll
+      for (int b = 0; b < EB; ++b) jin[b] = j[b] >= 0 && j[b] < Ns;
     }
 #pragma unroll
     for (int b = 0; b < EB; ++b) aux[b] = fn.edge_aux(e[b], ok[b]);
 #pragma unroll
     for (int b = 0; b < EB; ++b)
-      ok[b] = ok[b] && j[b] >= 0 && j[b] < Ns && fn.edge_ok(aux[b]);
+      ok[b] = ok[b] && jin[b] && fn.edge_ok(aux[b]);
     Vec<scalar_t, V> raw[EB][KHQ];
 #pragma unroll
     for (int b = 0; b < EB; ++b)

@@ -186,6 +186,7 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
   const int64_t nslots = static_cast<int64_t>(T.ES) * T.LH;
   const int64_t stride = nslots * nranks;
   const int64_t first = start + rank * nslots + T.es * T.LH + T.cl;
+  const auto slim = index_limit<index_t>(a.Ns);
   for (int64_t e0 = first; e0 < end; e0 += stride * U) {
     int64_t e[U], j[U];
     bool ok[U];
@@ -195,14 +196,15 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
     for (int u = 0; u < U; ++u) {
       e[u] = e0 + u * stride;
       const bool in = e[u] < end;
-      j[u] = in ? static_cast<int64_t>(a.col[e[u]]) : 0;
+      const index_t c = in ? a.col[e[u]] : index_t(0);
+      j[u] = static_cast<int64_t>(c);
       // a_edge does not wait for col
 #pragma unroll
       for (int kh = 0; kh < KHQ; ++kh)
         ae[u][kh] = (in && has_edge && T.hok[kh])
                         ? to_acc(a.a_edge[e[u] * H + T.h[kh]])
                         : A(0);
-      ok[u] = in && j[u] >= 0 && j[u] < a.Ns;
+      ok[u] = in && index_in(c, slim);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u)

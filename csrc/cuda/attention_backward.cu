@@ -187,6 +187,8 @@ __global__ void __launch_bounds__(kBlock,
     const int batch = T.ES * EB;
     const bool need_e =
         MODE != kBwdLean && (a_edge != nullptr || mask != nullptr || gz_csr);
+    const auto nlim = index_limit<index_t>(a.N);
+    const auto elim = index_limit<index_t>(a.E);
     auto walk = [&](auto&& body) {
       for (int64_t c0 = start + rank * kWarp; c0 < end; c0 += kWarp * nranks) {
         IdxChunk<index_t> ci, ce;
@@ -203,8 +205,8 @@ __global__ void __launch_bounds__(kBlock,
             in[b] = sl < cnt;
             i[b] = ci.get(sl);
             e[b] = MODE == kBwdLean ? index_t(0) : ce.get(sl);
-            ok[b] = in[b] && i[b] >= 0 && i[b] < a.N &&
-                    (MODE == kBwdLean || (e[b] >= 0 && e[b] < a.E));
+            ok[b] = in[b] && index_in(i[b], nlim) &&
+                    (MODE == kBwdLean || index_in(e[b], elim));
           }
           body(i, e, c0 + q, in, ok);
         }

@@ -218,6 +218,23 @@ template <typename T> constexpr int vec_width() {
 }
 
 // ---------------------------------------------------------------------------
+// Index checks with one unsigned compare: index_in(x, index_limit<T>(n)) is
+// 0 <= x < n for x of type T (negative x wraps past the limit, which is at
+// most 2^(bits - 1)).
+template <typename index_t>
+__host__ __device__ __forceinline__ std::make_unsigned_t<index_t> index_limit(
+    int64_t n) {
+  constexpr uint64_t half = uint64_t(1) << (8 * sizeof(index_t) - 1);
+  const uint64_t u = n < 0 ? 0 : static_cast<uint64_t>(n);
+  return static_cast<std::make_unsigned_t<index_t>>(u < half ? u : half);
+}
+template <typename index_t>
+__device__ __forceinline__ bool index_in(index_t x,
+                                         std::make_unsigned_t<index_t> lim) {
+  return static_cast<std::make_unsigned_t<index_t>>(x) < lim;
+}
+
+// ---------------------------------------------------------------------------
 // CSR row range with clamping: start = clamp(rowptr[i], 0, E),
 // end = clamp(rowptr[i + 1], start, E). Bad rowptr can never address outside
 // [0, E).
