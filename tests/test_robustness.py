@@ -124,6 +124,21 @@ def test_native_ops_never_touch_out_of_bounds(device):
     K.attention_backward(rowptr, col, t([0, 3, -2, 99]), t([7, -1, 2, 0]),
                          t([-5, 2, 100, 1]), None, None, s, None, v, 1.0, out,
                          lse, torch.randn_like(out))
+    # One head per lane (CUDA: the lean kernels, 1 to 8 lanes a head, owner
+    # lanes where a head has several), GAT terms and softmax_aggregate's.
+    csc_bad = (t([0, 3, -2, 99]), t([7, -1, 2, 0]), t([-5, 2, 100, 1]))
+    for C in (4, 8, 16, 32):
+        vl = torch.randn(3, 2, C, device=device)
+        a_s, a_d = torch.randn(3, 2, device=device), torch.randn(4, 2, device=device)
+        o, lo = K.attention(rowptr, col, a_s, a_d, None, None, vl, 0.2,
+                            *(None, ) * 5)
+        go = torch.randn_like(o)
+        K.attention_backward(rowptr, col, *csc_bad, a_s, a_d, None, None, vl,
+                             0.2, o, lo, go)
+        o, lo = K.attention(rowptr, col, None, None, s, None, vl, 1.0,
+                            *(None, ) * 5)
+        K.attention_backward(rowptr, col, *csc_bad, None, None, s, None, vl,
+                             1.0, o, lo, go, True)
     if device == 'cuda':
         torch.cuda.synchronize()
     # And a valid call still gives the right answer.
