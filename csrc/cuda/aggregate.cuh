@@ -161,6 +161,27 @@ __device__ __forceinline__ void gather_accumulate(
   }
 }
 
+// Owner lanes (a batch of EB entries, STRIDE = EB / OWN lanes of a head
+// share it): lane cl owns entries own0 + STRIDE*m, own0 = cl % STRIDE.
+// owned: that entry of a per-entry array (selects; own0 is per lane).
+template <int STRIDE, typename T, int N>
+__device__ __forceinline__ T owned(const T (&x)[N], int own0, int m) {
+  T v = x[STRIDE * m];
+#pragma unroll
+  for (int r = 1; r < STRIDE; ++r)
+    if (own0 == r) v = x[STRIDE * m + r];
+  return v;
+}
+// from_owner: entry b's value, held as mine[b / STRIDE] by its owner lane
+// gbase | (b % STRIDE) (gbase: the head's first lane). All lanes call it.
+template <int STRIDE, typename A, int OWN>
+__device__ __forceinline__ A from_owner(const A (&mine)[OWN], int b,
+                                        int gbase) {
+  return STRIDE == 1 ? mine[b]
+                     : __shfl_sync(kFullMask, mine[b / STRIDE],
+                                   gbase | (b % STRIDE));
+}
+
 // Sum acc over the edge slots (lane bits [LH*HS, 32)); every lane ends with
 // its (hs, cl) total.
 template <int V, int KHQ, typename A>

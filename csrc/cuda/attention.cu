@@ -9,6 +9,15 @@ namespace {
 
 // The score of edge e = (j -> i), head h: z = a_src[j, h] + a_dst[i, h] +
 // a_edge[e, h] (absent terms 0), summed in the reference's order from 0.
+template <typename A>
+__device__ __forceinline__ A score_z(bool has_src, A zs, A adst, bool has_edge,
+                                     A ze) {
+  A z = A(0);
+  if (has_src) z += zs;
+  z += adst;
+  if (has_edge) z += ze;
+  return z;
+}
 
 // Which per-edge terms a forward kernel reads, fixed at compile time for the
 // common cases so that an edge's work has no branches on absent tensors
@@ -69,17 +78,9 @@ struct AttnFwdWeight {
       bool use[OWN];
 #pragma unroll
       for (int q = 0; q < OWN; ++q) {
-        jo[q] = j[STRIDE * q];
-        eo[q] = e[STRIDE * q];
-        use[q] = ok[STRIDE * q];
-#pragma unroll
-        for (int r = 1; r < STRIDE; ++r)
-          if (own0 == r) {
-            jo[q] = j[STRIDE * q + r];
-            eo[q] = e[STRIDE * q + r];
-            use[q] = ok[STRIDE * q + r];
-          }
-        use[q] = use[q] && T.hok[0];
+        jo[q] = owned<STRIDE>(j, own0, q);
+        eo[q] = owned<STRIDE>(e, own0, q);
+        use[q] = owned<STRIDE>(ok, own0, q) && T.hok[0];
       }
       A zs[OWN], ze[OWN], mk[OWN], al[OWN];
 #pragma unroll
@@ -90,17 +91,14 @@ struct AttnFwdWeight {
       }
 #pragma unroll
       for (int q = 0; q < OWN; ++q) {
-        A z = A(0);  // the reference's order (above)
-        if (has_src) z += zs[q];
-        z += adst[0];
-        if (has_edge) z += ze[q];
+        const A z = score_z(has_src, zs[q], adst[0], has_edge, ze[q]);
         al[q] = softmax_weight(leaky(z, slope), m[0], s[0], inv[0]);
         if (has_mask) al[q] *= mk[q];
       }
       const int gbase = lane_id() & ~(T.LH - 1);
 #pragma unroll
       for (int b = 0; b < EB; ++b)
-        w[b][0] = __shfl_sync(kFullMask, al[b / STRIDE], gbase | (b % STRIDE));
+        w[b][0] = from_owner<STRIDE>(al, b, gbase);
       return;
     }
     A zs[EB][KHQ], ze[EB][KHQ], mk[EB][KHQ];
@@ -117,10 +115,7 @@ struct AttnFwdWeight {
     for (int b = 0; b < EB; ++b)
 #pragma unroll
       for (int kh = 0; kh < KHQ; ++kh) {
-        A z = A(0);  // the reference's order (above)
-        if (has_src) z += zs[b][kh];
-        z += adst[kh];
-        if (has_edge) z += ze[b][kh];
+        const A z = score_z(has_src, zs[b][kh], adst[kh], has_edge, ze[b][kh]);
         A al = softmax_weight(leaky(z, slope), m[kh], s[kh], inv[kh]);
         if (has_mask) al *= mk[b][kh];
         w[b][kh] = al;
@@ -218,10 +213,7 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int kh = 0; kh < KHQ; ++kh) {
-        A z = A(0);  // the reference's order (above)
-        if (has_src) z += as[u][kh];
-        z += fn.adst[kh];
-        if (has_edge) z += ae[u][kh];
+        const A z = score_z(has_src, as[u][kh], fn.adst[kh], has_edge, ae[u][kh]);
         x[u][kh] = (ok[u] && T.hok[kh]) ? leaky(z, a.slope) : neg_inf<A>();
       }
 #pragma unroll

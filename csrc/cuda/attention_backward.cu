@@ -262,18 +262,10 @@ __global__ void __launch_bounds__(kBlock,
         bool oko[OWN], wro[OWN];
 #pragma unroll
         for (int m = 0; m < OWN; ++m) {
-          io[m] = i[STRIDE * m];
-          eo[m] = e[STRIDE * m];
-          oko[m] = ok[STRIDE * m];
-          wro[m] = wr[STRIDE * m];
-#pragma unroll
-          for (int s = 1; s < STRIDE; ++s)
-            if (own0 == s) {
-              io[m] = i[STRIDE * m + s];
-              eo[m] = e[STRIDE * m + s];
-              oko[m] = ok[STRIDE * m + s];
-              wro[m] = wr[STRIDE * m + s];
-            }
+          io[m] = owned<STRIDE>(i, own0, m);
+          eo[m] = owned<STRIDE>(e, own0, m);
+          oko[m] = owned<STRIDE>(ok, own0, m);
+          wro[m] = owned<STRIDE>(wr, own0, m);
         }
         RI ri[OWN];
         A ae[OWN];
@@ -340,9 +332,7 @@ __global__ void __launch_bounds__(kBlock,
         }
 #pragma unroll
         for (int b = 0; b < EB; ++b) {
-          const A pb = STRIDE == 1 ? p[b]
-                                   : __shfl_sync(kFullMask, p[b / STRIDE],
-                                                 gbase | (b % STRIDE));
+          const A pb = from_owner<STRIDE>(p, b, gbase);
 #pragma unroll
           for (int v = 0; v < V; ++v) acc[0][v] += pb * vec_get(raw[b], v);
         }
