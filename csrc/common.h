@@ -132,9 +132,15 @@ constexpr bool kOwnerLanesFwd = true;
 constexpr bool kOwnerLanesBwdFp32 = true;
 constexpr bool kOwnerLanesBwdOther = false;
 
-inline bool owner_lanes(bool dflt) {
-  const char* env = std::getenv("PYG_FASTATTN_OWNER_LANES");
+// An A/B switch: the environment variable `name` set to 0 / 1 overrides
+// dflt (unset or empty: dflt). Read at every launch, so tests can flip it.
+inline bool env_flag(const char* name, bool dflt) {
+  const char* env = std::getenv(name);
   return (env == nullptr || *env == '\0') ? dflt : std::atoi(env) != 0;
+}
+
+inline bool owner_lanes(bool dflt) {
+  return env_flag("PYG_FASTATTN_OWNER_LANES", dflt);
 }
 
 // The float32 lean attention backward with owner lanes and at least this
@@ -145,9 +151,7 @@ constexpr int kAttnBwdWideBatch = 8;
 constexpr bool kAttnBwdWideDefault = false;
 
 inline bool bwd_wide_batch() {
-  const char* env = std::getenv("PYG_FASTATTN_BWD_WIDE");
-  return (env == nullptr || *env == '\0') ? kAttnBwdWideDefault
-                                           : std::atoi(env) != 0;
+  return env_flag("PYG_FASTATTN_BWD_WIDE", kAttnBwdWideDefault);
 }
 
 struct SplitPlan {
@@ -295,6 +299,19 @@ constexpr int64_t kGatv2SplitChunk = 2048;
 // larger batch's registers cost more occupancy than its gathers in flight
 // gain (benchmarks/RESULTS.md).
 constexpr int kGatv2EdgeBatch = 1;
+// CUDA: with one slot a lane (aligned rows of 32- or 16-bit floats, at most
+// 32 * 4 elements a head tile) the gatv2 / transformer kernels can gather
+// through a ring of kGatv2AsyncStages stages in shared memory (cp.async),
+// kGatv2AsyncStages - 1 edges ahead of the edge they compute, so that the
+// rows of several edges are in flight without registers to hold them.
+// gatv2_async() says whether they do: PYG_FASTATTN_GATV2_ASYNC=0 / 1
+// (tests, A/B runs) overrides kGatv2AsyncDefault.
+constexpr int kGatv2AsyncStages = 4;
+constexpr bool kGatv2AsyncDefault = false;
+
+inline bool gatv2_async() {
+  return env_flag("PYG_FASTATTN_GATV2_ASYNC", kGatv2AsyncDefault);
+}
 
 void check_gatv2_attention(const at::Tensor& rowptr, const at::Tensor& col,
                            const at::Tensor& x_l, const at::Tensor& x_r,

@@ -576,3 +576,82 @@ def test_layer_autocast(backend, device, dtype):
     assert out.dtype == out_ref.dtype
     rel = ((out.float() - out32).norm() / out32.norm()).item()
     assert rel < 3e-2
+
+
+def _async_kernels(fn):
+    """Names of the gatv2 / transformer CUDA kernels that ``fn`` launches
+    with asynchronous gathers (their last template argument is true)."""
+    with torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return {e.key.split('<')[0].split('::')[-1] for e in prof.key_averages()
+            if 'gatv2_' in e.key and '_kernel<' in e.key
+            and e.key.split('>(')[0].endswith('true')}
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('H,C', [(4, 32), (8, 16), (1, 64), (2, 8), (3, 4),
+                                 (4, 12)])
+@pytest.mark.parametrize('idx', [torch.int32, torch.int64])
+@pytest.mark.parametrize('split', [None, '16'])
+@pytest.mark.parametrize('terms', [False, True])
+def test_async_gathers(monkeypatch, dtype, H, C, idx, split, terms):
+    """CUDA, one slot a lane: the gatv2 and transformer kernels gathering
+    through their shared-memory rings (PYG_FASTATTN_GATV2_ASYNC=1) against
+    one edge at a time (=0). Forward and both backward passes (all three
+    kernels must take the ring), on a graph with empty rows, a hub row and
+    a hub column (split=16: every row and column of more than 16 edges on
+    the split path), with and without edge terms, dropout mask and bias
+    (terms). Every output and gradient is equal bit for bit."""
+    from pyg_fastattn import _build
+    if not _build.load().cuda:
+        pytest.skip(f'native CUDA kernels unavailable: {_build.load().error}')
+    if split is None:
+        monkeypatch.delenv('PYG_FASTATTN_SPLIT_EDGES', raising=False)
+    else:
+        monkeypatch.setenv('PYG_FASTATTN_SPLIT_EDGES', split)
+    rowptr, col, Ns = make_graph('huge', idx, 'cuda')
+    col[:2500] = 0  # half of the hub row's edges come from node 0
+    N, E = rowptr.numel() - 1, col.numel()
+    g = torch.Generator(device='cuda').manual_seed(0)
+
+    def rnd(*shape, grad=True):
+        t = torch.randn(*shape, device='cuda', generator=g).to(dtype)
+        return t.requires_grad_(grad)
+
+    x_l, x_r, k, v = rnd(Ns, H, C), rnd(N, H, C), rnd(Ns, H, C), rnd(Ns, H, C)
+    att, e_t = rnd(H, C), rnd(E, H, C) if terms else None
+    bias = rnd(H * C) if terms else None
+    mask = ((torch.rand(E, H, device='cuda', generator=g) > 0.3).to(dtype)
+            / 0.7 if terms else None)
+    go = rnd(N, H, C, grad=False)
+    csc = ops.csr_to_csc(rowptr, col, Ns, validate=False)
+
+    def gatv2():
+        out = ops.gatv2_attention(rowptr, col, x_l, x_r, att, e_t, mask,
+                                  csc=csc, validate=False, bias=bias)
+        ins = [t for t in (x_l, x_r, att, e_t, bias) if t is not None]
+        return [out] + list(torch.autograd.grad(out, ins, go))
+
+    def transformer():
+        out = ops.transformer_attention(rowptr, col, x_r, k, v, e_t, mask,
+                                        scale=C ** -0.5, csc=csc,
+                                        validate=False)
+        ins = [t for t in (x_r, k, v, e_t) if t is not None]
+        return [out] + list(torch.autograd.grad(out, ins, go))
+
+    for fn in (gatv2, transformer):
+        res = {}
+        for flag in ('0', '1'):
+            monkeypatch.setenv('PYG_FASTATTN_GATV2_ASYNC', flag)
+            res[flag] = fn()
+            names = _async_kernels(fn)
+            want = ({'gatv2_fwd_kernel', 'gatv2_bwd_rows_kernel',
+                     'gatv2_bwd_cols_kernel'} if flag == '1' else set())
+            assert names == want, (fn.__name__, flag, names)
+        for k_, (a, b) in enumerate(zip(res['0'], res['1'])):
+            assert torch.isfinite(a).all(), (fn.__name__, k_)
+            assert torch.equal(a, b), (fn.__name__, k_)

@@ -212,6 +212,47 @@ __device__ __forceinline__ Vec<T, V> zero_vec() {
   return x;
 }
 
+// ---------------------------------------------------------------------------
+// Asynchronous copies of 4, 8 or 16 bytes from global to shared memory
+// (cp.async, sm_80+; before that a plain load and store). A thread waits for
+// its own copies by commit group: cp_async_wait<N>() returns when at most N
+// of its groups are still pending, and the copies of the others are then
+// visible to it.
+template <int Bytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+  static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async size");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if constexpr (Bytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d),
+                 "l"(src)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d),
+                 "l"(src), "n"(Bytes)
+                 : "memory");
+  }
+#else
+  using W = typename std::conditional<
+      Bytes == 16, uint4,
+      typename std::conditional<Bytes == 8, uint2, uint32_t>::type>::type;
+  *reinterpret_cast<W*>(dst) = *reinterpret_cast<const W*>(src);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 // Elements per 16-byte vector.
 template <typename T> constexpr int vec_width() {
   return static_cast<int>(16 / sizeof(T));
