@@ -307,7 +307,7 @@ constexpr int kGatv2EdgeBatch = 1;
 // gatv2_async() says whether they do: PYG_FASTATTN_GATV2_ASYNC=0 / 1
 // (tests, A/B runs) overrides kGatv2AsyncDefault.
 constexpr int kGatv2AsyncStages = 4;
-constexpr bool kGatv2AsyncDefault = false;
+constexpr bool kGatv2AsyncDefault = true;
 
 inline bool gatv2_async() {
   return env_flag("PYG_FASTATTN_GATV2_ASYNC", kGatv2AsyncDefault);
