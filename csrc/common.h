@@ -305,12 +305,28 @@ constexpr int kGatv2EdgeBatch = 1;
 // kGatv2AsyncStages - 1 edges ahead of the edge they compute, so that the
 // rows of several edges are in flight without registers to hold them.
 // gatv2_async() says whether they do: PYG_FASTATTN_GATV2_ASYNC=0 / 1
-// (tests, A/B runs) overrides kGatv2AsyncDefault.
+// (tests, A/B runs) overrides kGatv2AsyncDefault; gatv2_stages():
+// PYG_FASTATTN_GATV2_STAGES=2..8 overrides the stages (A/B runs).
 constexpr int kGatv2AsyncStages = 4;
 constexpr bool kGatv2AsyncDefault = true;
 
 inline bool gatv2_async() {
   return env_flag("PYG_FASTATTN_GATV2_ASYNC", kGatv2AsyncDefault);
+}
+
+// Resident blocks per SM that the ASYNC backward kernels are compiled for
+// (launch bounds: at most 80 registers for three blocks, 64 for four; the
+// transformer's source pass spills at 64); the forward stays within 64
+// without a bound.
+constexpr int kGatv2AsyncBlocksRows = 3;     // destination pass, both
+constexpr int kGatv2AsyncBlocksCols = 4;     // gatv2 source pass
+constexpr int kGatv2AsyncBlocksColsDot = 3;  // transformer source pass
+
+inline int gatv2_stages() {
+  const char* env = std::getenv("PYG_FASTATTN_GATV2_STAGES");
+  const int n = (env == nullptr || *env == '\0') ? kGatv2AsyncStages
+                                                 : std::atoi(env);
+  return n < 2 ? 2 : (n > 8 ? 8 : n);
 }
 
 void check_gatv2_attention(const at::Tensor& rowptr, const at::Tensor& col,

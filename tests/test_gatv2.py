@@ -600,8 +600,8 @@ def _async_kernels(fn):
 @pytest.mark.parametrize('terms', [False, True])
 def test_async_gathers(monkeypatch, dtype, H, C, idx, split, terms):
     """CUDA, one slot a lane: the gatv2 and transformer kernels gathering
-    through their shared-memory rings (PYG_FASTATTN_GATV2_ASYNC=1) against
-    one edge at a time (=0). Forward and both backward passes (all three
+    through their shared-memory rings (PYG_FASTATTN_GATV2_ASYNC=1, rings of
+    2, 4 and 7 stages) against one edge at a time (=0). Forward and both backward passes (all three
     kernels must take the ring), on a graph with empty rows, a hub row and
     a hub column (split=16: every row and column of more than 16 edges on
     the split path), with and without edge terms, dropout mask and bias
@@ -645,13 +645,18 @@ def test_async_gathers(monkeypatch, dtype, H, C, idx, split, terms):
 
     for fn in (gatv2, transformer):
         res = {}
-        for flag in ('0', '1'):
+        for flag, stages in (('0', '4'), ('1', '4'), ('1', '2'), ('1', '7')):
             monkeypatch.setenv('PYG_FASTATTN_GATV2_ASYNC', flag)
-            res[flag] = fn()
-            names = _async_kernels(fn)
-            want = ({'gatv2_fwd_kernel', 'gatv2_bwd_rows_kernel',
-                     'gatv2_bwd_cols_kernel'} if flag == '1' else set())
-            assert names == want, (fn.__name__, flag, names)
-        for k_, (a, b) in enumerate(zip(res['0'], res['1'])):
+            monkeypatch.setenv('PYG_FASTATTN_GATV2_STAGES', stages)
+            res[flag, stages] = fn()
+            if stages == '4':
+                names = _async_kernels(fn)
+                want = ({'gatv2_fwd_kernel', 'gatv2_bwd_rows_kernel',
+                         'gatv2_bwd_cols_kernel'} if flag == '1' else set())
+                assert names == want, (fn.__name__, flag, names)
+        base = res['0', '4']
+        for k_, a in enumerate(base):
             assert torch.isfinite(a).all(), (fn.__name__, k_)
-            assert torch.equal(a, b), (fn.__name__, k_)
+        for key, got in res.items():
+            for k_, (a, b) in enumerate(zip(base, got)):
+                assert torch.equal(a, b), (fn.__name__, key, k_)

@@ -150,6 +150,7 @@ struct Gatv2Args {
   scalar_t* g_e;          // [E, H, C] or nullptr
   // split path (utils.cuh): long rows (sp, CSR) and long columns (spc, CSC)
   SplitArgs sp, spc;
+  int stages;   // ASYNC kernels: stages of a warp's ring
   A* part_acc;  // [2 * sp.nwin, H * C]: forward sums / backward grad_x_r
   A* part_ms;   // [2 * sp.nwin, H, 2]: forward (max, sum)
   A* part_c;    // [2 * spc.nwin, H * C]: backward grad_x_l (DOT: [.., 2HC],
@@ -245,25 +246,24 @@ __device__ __forceinline__ void gather_edges(
 
 // ---------------------------------------------------------------------------
 // Asynchronous gathers (ASYNC kernels: one slot a lane, UB-byte units). Each
-// warp has a ring of kGatv2AsyncStages stages in shared memory. A stage
+// warp has a ring of `ns` stages (gatv2_stages()) in shared memory. A stage
 // holds, for each lane, nu units (the rows of one edge), the edge's tag
 // (int64; -1: skip the edge) and nf floats; a lane writes and reads only
 // its own places, so no lane waits for another.
 template <int UB>
 struct Ring {
   unsigned char* base;  // the warp's first stage
-  int nu, sb;           // units a stage, bytes a stage
+  int nu, sb, ns;       // units a stage, bytes a stage, stages
   static constexpr int stage_bytes(int nu, int nf) {
     return kWarp * (nu * UB + 8 + nf * 4);
   }
   // Shared memory of a block's rings.
-  static size_t block_bytes(int nu, int nf) {
-    return static_cast<size_t>(kWarpsPerBlock) * kGatv2AsyncStages *
-           stage_bytes(nu, nf);
+  static size_t block_bytes(int ns, int nu, int nf) {
+    return static_cast<size_t>(kWarpsPerBlock) * ns * stage_bytes(nu, nf);
   }
-  __device__ Ring(unsigned char* smem, int rank, int nu_, int nf)
-      : nu(nu_), sb(stage_bytes(nu_, nf)) {
-    base = smem + static_cast<size_t>(rank) * kGatv2AsyncStages * sb;
+  __device__ Ring(unsigned char* smem, int rank, int ns_, int nu_, int nf)
+      : nu(nu_), sb(stage_bytes(nu_, nf)), ns(ns_) {
+    base = smem + static_cast<size_t>(rank) * ns * sb;
   }
   __device__ unsigned char* unit(int s, int u, int lane) const {
     return base + s * sb + (u * kWarp + lane) * UB;
@@ -292,24 +292,37 @@ __device__ __forceinline__ void ring_slot(const unsigned char* src,
   load_slot<T, V>(reinterpret_cast<const T*>(src), off >= 0 ? 0 : -1, x);
 }
 
-// Walks positions [start, end) of a warp through its ring: fetch(p, s)
-// issues the copies of position p into stage s, in order of p and
-// kGatv2AsyncStages - 1 positions ahead of body(p, s), which reads stage s.
-// Each position has its own commit group (empty ones included), so the wait
+// cp_async_wait<n>() for a run-time n (n > 7: wait for all).
+__device__ __forceinline__ void cp_async_wait_n(int n) {
+  switch (n) {
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    case 7: cp_async_wait<7>(); break;
+    default: cp_async_wait<0>();
+  }
+}
+
+// Walks positions [start, end) of a warp through a ring of ns stages:
+// fetch(p, s) issues the copies of position p into stage s, in order of p
+// and D = ns - 1 positions ahead of body(p, s), which reads stage s. Each
+// position has its own commit group (empty ones included), so the wait
 // before body(p) waits for p's copies only. Position p + D is fetched into
 // the stage of p - 1, whose body has already read it.
 template <typename Fetch, typename Body>
-__device__ __forceinline__ void async_walk(int64_t start, int64_t end,
+__device__ __forceinline__ void async_walk(int ns, int64_t start, int64_t end,
                                            Fetch&& fetch, Body&& body) {
-  constexpr int D = kGatv2AsyncStages - 1;
-#pragma unroll
+  const int D = ns - 1;
   for (int k = 0; k < D; ++k) {
     if (start + k < end) fetch(start + k, k);
     cp_async_commit();
   }
   int s = 0;
   for (int64_t p = start; p < end; ++p) {
-    cp_async_wait<D - 1>();
+    cp_async_wait_n(D - 1);
     if (p + D < end) fetch(p + D, s == 0 ? D : s - 1);
     cp_async_commit();
     body(p, s);
@@ -334,7 +347,7 @@ __device__ __forceinline__ void walk_sources(
   if constexpr (ASYNC) {
     static_assert(S == 1, "asynchronous gathers take one slot a lane");
     constexpr int UB = static_cast<int>(sizeof(scalar_t)) * V;
-    const Ring<UB> ring(ring_smem, rank, 1 + DOT + (has_et ? 1 : 0), 0);
+    const Ring<UB> ring(ring_smem, rank, a.stages, 1 + DOT + (has_et ? 1 : 0), 0);
     const int ue = 1 + DOT;  // edge_term's unit
     index_t jb = 0, jn = batch_load<index_t>(a.col, start, end, lane);
     auto fetch = [&](int64_t p, int s) {
@@ -365,7 +378,7 @@ __device__ __forceinline__ void walk_sources(
       if (has_et) ring_slot<scalar_t, V>(ring.unit(s, ue, lane), off[0], et[0]);
       edge(p, xl, vv, et);
     };
-    async_walk(start, end, fetch, body);
+    async_walk(ring.ns, start, end, fetch, body);
   } else {
     constexpr int B = kGatv2EdgeBatch;
     for (int64_t e0 = start, jb = 0; e0 < end; e0 += B) {
@@ -595,10 +608,10 @@ inline void dispatch_plan(bool vec, const Gatv2Plan& P, bool async, F&& f) {
 // it (nu units and nf floats a stage). Over 48 KiB the kernel is allowed
 // that much first.
 template <int UB>
-inline size_t launch_smem(size_t merge, bool windows, bool async, int nu,
-                          int nf) {
+inline size_t launch_smem(size_t merge, bool windows, bool async, int ns,
+                          int nu, int nf) {
   if (!async) return windows ? merge : 0;
-  return ring_offset(merge) + Ring<UB>::block_bytes(nu, nf);
+  return ring_offset(merge) + Ring<UB>::block_bytes(ns, nu, nf);
 }
 
 template <typename K>

@@ -28,7 +28,8 @@ namespace {
 // grad_out[i] (partials: grad key, then grad value, 2 * H * C a slot).
 template <bool DOT, typename scalar_t, typename index_t, int V, int S,
           bool HEADS, bool ASYNC>
-__global__ void __launch_bounds__(kBlock)
+__global__ void __launch_bounds__(
+    kBlock, !ASYNC ? 0 : (DOT ? kGatv2AsyncBlocksColsDot : kGatv2AsyncBlocksCols))
     gatv2_bwd_cols_kernel(Gatv2Args<scalar_t, index_t> a, Gatv2Layout L,
                           int64_t row_blocks) {
   using A = acc_t<scalar_t>;
@@ -135,7 +136,7 @@ __global__ void __launch_bounds__(kBlock)
       static_assert(S == 1 && NKH == 1, "asynchronous gathers take one slot a lane");
       constexpr int UB = static_cast<int>(sizeof(scalar_t)) * V;
       const Ring<UB> ring(smem + ring_offset(merge_smem<A, S, V, NKH>()), rank,
-                          2 + (has_et ? 1 : 0), 2);
+                          a.stages, 2 + (has_et ? 1 : 0), 2);
       const int h = sl.h[0];
       index_t ib = 0, eb = 0;
       index_t in = batch_load<index_t>(a.csc_row, start, end, lane);
@@ -175,7 +176,7 @@ __global__ void __launch_bounds__(kBlock)
         mb[0] = mask_of(e, 0);
         edge(xr, go, et, lb, db, mb);
       };
-      async_walk(start, end, fetch, body);
+      async_walk(ring.ns, start, end, fetch, body);
     } else {
       constexpr int B = kGatv2EdgeBatch;
       for (int64_t q0 = start, ib = 0, eb = 0; q0 < end; q0 += B) {
@@ -242,13 +243,14 @@ void launch_bwd_cols(const Gatv2Args<scalar_t, index_t>& a, const Gatv2Plan& P,
   constexpr int UB = static_cast<int>(sizeof(scalar_t)) * VW;
   const int nu = 2 + (a.edge_term != nullptr);
   const bool async = use_async<scalar_t>(
-      vec, P, launch_smem<UB>(merge_smem<A, 1, VW, 1>(), true, true, nu, 2));
+      vec, P, launch_smem<UB>(merge_smem<A, 1, VW, 1>(), true, true, a.stages, nu, 2));
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_plan<scalar_t>(vec, P, async, [&](auto v, auto s, auto heads, auto as) {
     constexpr int kV = decltype(v)::value, kS = decltype(s)::value;
     constexpr bool kH = decltype(heads)::value, kA = decltype(as)::value;
     const size_t smem = launch_smem<UB>(
-        merge_smem<A, kS, kV, Slots<kS, kH>::NKH>(), a.spc.nwin > 0, kA, nu, 2);
+        merge_smem<A, kS, kV, Slots<kS, kH>::NKH>(), a.spc.nwin > 0, kA,
+        a.stages, nu, 2);
     auto kernel = gatv2_bwd_cols_kernel<DOT, scalar_t, index_t, kV, kS, kH, kA>;
     allow_smem(kernel, smem);
     kernel<<<dim3(split_grid_x(row_blocks, a.spc), P.L.n_tiles), kBlock, smem,

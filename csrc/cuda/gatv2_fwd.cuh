@@ -170,16 +170,17 @@ void run_forward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
   const dim3 grid(split_grid_x(row_blocks, a.sp),
                   static_cast<unsigned>(P.L.n_tiles));
   constexpr int UB = static_cast<int>(sizeof(scalar_t)) * VW;
-  const size_t merge1 = merge_smem<A, 1, VW, 1>();
+  const int nu = 1 + DOT + (a.edge_term != nullptr);
+  a.stages = gatv2_stages();
   const bool async = use_async<scalar_t>(
-      vec, P, launch_smem<UB>(merge1, true, true, 1 + DOT + (a.edge_term != nullptr), 0));
+      vec, P, launch_smem<UB>(merge_smem<A, 1, VW, 1>(), true, true, a.stages, nu, 0));
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_plan<scalar_t>(vec, P, async, [&](auto v, auto s, auto heads, auto as) {
     constexpr int kV = decltype(v)::value, kS = decltype(s)::value;
     constexpr bool kH = decltype(heads)::value, kA = decltype(as)::value;
     const size_t smem = launch_smem<UB>(
         merge_smem<A, kS, kV, Slots<kS, kH>::NKH>(), a.sp.nwin > 0, kA,
-        1 + DOT + (a.edge_term != nullptr), 0);
+        a.stages, nu, 0);
     auto kernel = gatv2_fwd_kernel<DOT, scalar_t, index_t, kV, kS, kH, kA>;
     allow_smem(kernel, smem);
     kernel<<<grid, kBlock, smem, stream>>>(a, P.L, row_blocks);

@@ -32,7 +32,7 @@ namespace {
 // grad_edge_term are zeroed by a grid-stride loop of the row blocks.
 template <bool DOT, typename scalar_t, typename index_t, int V, int S,
           bool HEADS, bool ASYNC>
-__global__ void __launch_bounds__(kBlock)
+__global__ void __launch_bounds__(kBlock, ASYNC ? kGatv2AsyncBlocksRows : 0)
     gatv2_bwd_rows_kernel(Gatv2Args<scalar_t, index_t> a, Gatv2Layout L,
                           int64_t row_blocks) {
   using A = acc_t<scalar_t>;
@@ -267,14 +267,16 @@ void run_backward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
   const Gatv2Plan P = make_plan(H, C, vec ? VW : 1);
   constexpr int UB = static_cast<int>(sizeof(scalar_t)) * VW;
   const int nu = 1 + DOT + (a.edge_term != nullptr);
+  a.stages = gatv2_stages();
   const bool async = use_async<scalar_t>(
-      vec, P, launch_smem<UB>(merge_smem<A, 1, VW, 1>(), true, true, nu, 0));
+      vec, P, launch_smem<UB>(merge_smem<A, 1, VW, 1>(), true, true, a.stages, nu, 0));
   auto stream = at::cuda::getCurrentCUDAStream();
   dispatch_plan<scalar_t>(vec, P, async, [&](auto v, auto s, auto heads, auto as) {
     constexpr int kV = decltype(v)::value, kS = decltype(s)::value;
     constexpr bool kH = decltype(heads)::value, kA = decltype(as)::value;
     const size_t smem = launch_smem<UB>(
-        merge_smem<A, kS, kV, Slots<kS, kH>::NKH>(), a.sp.nwin > 0, kA, nu, 0);
+        merge_smem<A, kS, kV, Slots<kS, kH>::NKH>(), a.sp.nwin > 0, kA,
+        a.stages, nu, 0);
     auto kernel = gatv2_bwd_rows_kernel<DOT, scalar_t, index_t, kV, kS, kH, kA>;
     allow_smem(kernel, smem);
     kernel<<<dim3(split_grid_x(row_blocks, a.sp), P.L.n_tiles), kBlock, smem,
