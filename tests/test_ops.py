@@ -7,7 +7,7 @@ from pyg_fastattn import _build, ops, reference as R
 from pyg_fastattn.ops.csr import rows_of
 
 from conftest import DEVICES, requires_cuda
-from graphs import csr_from_degrees, make_graph, noncontig
+from graphs import csr_from_degrees, hub_graph, make_graph, noncontig
 
 GRAPHS = ['mixed', 'huge', 'empty', 'single', 'deg1']
 HC = [(1, 1), (4, 7), (8, 33), (1, 64), (8, 64)]
@@ -529,14 +529,8 @@ def test_owner_lanes(monkeypatch, dtype, heads, C, idx, split, wide):
     if not _build.load().native:
         pytest.skip(f'native kernels unavailable: {_build.load().error}')
     monkeypatch.setenv('PYG_FASTATTN_BWD_WIDE', wide)
-    if split is None:
-        monkeypatch.delenv('PYG_FASTATTN_SPLIT_EDGES', raising=False)
-    else:
-        monkeypatch.setenv('PYG_FASTATTN_SPLIT_EDGES', split)
-    rowptr, col, Ns = make_graph('huge', idx, 'cuda')
-    col[:2500] = 0  # half of the hub row's edges come from node 0
+    rowptr, col, Ns, g = hub_graph(monkeypatch, split, idx)
     N, E = rowptr.numel() - 1, col.numel()
-    g = torch.Generator(device='cuda').manual_seed(0)
 
     def leaf(*shape):
         t = torch.randn(*shape, device='cuda', generator=g).to(dtype)

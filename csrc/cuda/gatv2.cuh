@@ -245,11 +245,11 @@ __device__ __forceinline__ void gather_edges(
 }
 
 // ---------------------------------------------------------------------------
-// Asynchronous gathers (ASYNC kernels: one slot a lane, UB-byte units). Each
-// warp has a ring of `ns` stages (gatv2_stages()) in shared memory. A stage
-// holds, for each lane, nu units (the rows of one edge), the edge's tag
-// (int64; -1: skip the edge) and nf floats; a lane writes and reads only
-// its own places, so no lane waits for another.
+// Asynchronous gathers (ASYNC kernels: one slot a lane, UB-byte units).
+// Each warp has a ring of ns >= 2 stages (gatv2_stages()) in shared memory.
+// A stage holds, for each lane, nu units (the rows of one edge), the edge's
+// tag (int64; -1: skip the edge) and nf floats; a lane writes and reads
+// only its own places, so no lane waits for another.
 template <int UB>
 struct Ring {
   unsigned char* base;  // the warp's first stage
@@ -620,6 +620,35 @@ inline void allow_smem(K kernel, size_t bytes) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(
         kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
         static_cast<int>(bytes)));
+}
+
+// Launches kernel_of(V, S, HEADS, ASYNC) (a generic lambda returning the
+// kernel for those compile-time constants) on `grid` with `args`, with the
+// shared memory it needs: the merge space when the launch has window
+// blocks, and the rings (`stages` stages of nu units and nf floats) when it
+// takes the asynchronous gathers (use_async).
+template <typename scalar_t, typename KernelOf, typename... Args>
+inline void launch_plan(bool vec, const Gatv2Plan& P, dim3 grid, bool windows,
+                        int stages, int nu, int nf, KernelOf&& kernel_of,
+                        const Args&... args) {
+  using A = acc_t<scalar_t>;
+  constexpr int VW = gatv2_vec<scalar_t>();
+  constexpr int UB = static_cast<int>(sizeof(scalar_t)) * VW;
+  const bool async = use_async<scalar_t>(
+      vec, P, launch_smem<UB>(merge_smem<A, 1, VW, 1>(), true, true, stages,
+                              nu, nf));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_plan<scalar_t>(vec, P, async, [&](auto v, auto s, auto heads, auto as) {
+    constexpr int kV = decltype(v)::value, kS = decltype(s)::value;
+    constexpr bool kH = decltype(heads)::value, kA = decltype(as)::value;
+    const size_t smem = launch_smem<UB>(
+        merge_smem<A, kS, kV, Slots<kS, kH>::NKH>(), windows, kA, stages, nu,
+        nf);
+    auto kernel = kernel_of(v, s, heads, as);
+    allow_smem(kernel, smem);
+    kernel<<<grid, kBlock, smem, stream>>>(args...);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 template <typename scalar_t, typename index_t>

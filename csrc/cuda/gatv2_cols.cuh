@@ -237,26 +237,16 @@ __global__ void __launch_bounds__(
 template <bool DOT, typename scalar_t, typename index_t>
 void launch_bwd_cols(const Gatv2Args<scalar_t, index_t>& a, const Gatv2Plan& P,
                      bool vec) {
-  using A = acc_t<scalar_t>;
   const int64_t row_blocks = ceil_div(a.Ns, kWarpsPerBlock);
-  constexpr int VW = gatv2_vec<scalar_t>();
-  constexpr int UB = static_cast<int>(sizeof(scalar_t)) * VW;
-  const int nu = 2 + (a.edge_term != nullptr);
-  const bool async = use_async<scalar_t>(
-      vec, P, launch_smem<UB>(merge_smem<A, 1, VW, 1>(), true, true, a.stages, nu, 2));
-  auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_plan<scalar_t>(vec, P, async, [&](auto v, auto s, auto heads, auto as) {
-    constexpr int kV = decltype(v)::value, kS = decltype(s)::value;
-    constexpr bool kH = decltype(heads)::value, kA = decltype(as)::value;
-    const size_t smem = launch_smem<UB>(
-        merge_smem<A, kS, kV, Slots<kS, kH>::NKH>(), a.spc.nwin > 0, kA,
-        a.stages, nu, 2);
-    auto kernel = gatv2_bwd_cols_kernel<DOT, scalar_t, index_t, kV, kS, kH, kA>;
-    allow_smem(kernel, smem);
-    kernel<<<dim3(split_grid_x(row_blocks, a.spc), P.L.n_tiles), kBlock, smem,
-             stream>>>(a, P.L, row_blocks);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  launch_plan<scalar_t>(
+      vec, P, dim3(split_grid_x(row_blocks, a.spc), P.L.n_tiles),
+      a.spc.nwin > 0, a.stages, 2 + (a.edge_term != nullptr), 2,
+      [](auto v, auto s, auto heads, auto as) {
+        return gatv2_bwd_cols_kernel<DOT, scalar_t, index_t, decltype(v)::value,
+                                     decltype(s)::value, decltype(heads)::value,
+                                     decltype(as)::value>;
+      },
+      a, P.L, row_blocks);
 }
 
 #define PFA_GATV2_COLS(DOT, T)                                               \

@@ -169,23 +169,16 @@ void run_forward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
   const int64_t row_blocks = ceil_div(a.N, kWarpsPerBlock);
   const dim3 grid(split_grid_x(row_blocks, a.sp),
                   static_cast<unsigned>(P.L.n_tiles));
-  constexpr int UB = static_cast<int>(sizeof(scalar_t)) * VW;
-  const int nu = 1 + DOT + (a.edge_term != nullptr);
   a.stages = gatv2_stages();
-  const bool async = use_async<scalar_t>(
-      vec, P, launch_smem<UB>(merge_smem<A, 1, VW, 1>(), true, true, a.stages, nu, 0));
-  auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_plan<scalar_t>(vec, P, async, [&](auto v, auto s, auto heads, auto as) {
-    constexpr int kV = decltype(v)::value, kS = decltype(s)::value;
-    constexpr bool kH = decltype(heads)::value, kA = decltype(as)::value;
-    const size_t smem = launch_smem<UB>(
-        merge_smem<A, kS, kV, Slots<kS, kH>::NKH>(), a.sp.nwin > 0, kA,
-        a.stages, nu, 0);
-    auto kernel = gatv2_fwd_kernel<DOT, scalar_t, index_t, kV, kS, kH, kA>;
-    allow_smem(kernel, smem);
-    kernel<<<grid, kBlock, smem, stream>>>(a, P.L, row_blocks);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  launch_plan<scalar_t>(
+      vec, P, grid, a.sp.nwin > 0, a.stages, 1 + DOT + (a.edge_term != nullptr),
+      0,
+      [](auto v, auto s, auto heads, auto as) {
+        return gatv2_fwd_kernel<DOT, scalar_t, index_t, decltype(v)::value,
+                                decltype(s)::value, decltype(heads)::value,
+                                decltype(as)::value>;
+      },
+      a, P.L, row_blocks);
   launch_split_softmax_combine<scalar_t, index_t>(
       a.sp, a.rowptr, a.E, a.part_acc, a.part_ms, a.bias, H, C, a.out,
       a.lse_out);

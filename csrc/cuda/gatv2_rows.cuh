@@ -265,24 +265,16 @@ void run_backward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
   }
   constexpr int VW = gatv2_vec<scalar_t>();
   const Gatv2Plan P = make_plan(H, C, vec ? VW : 1);
-  constexpr int UB = static_cast<int>(sizeof(scalar_t)) * VW;
-  const int nu = 1 + DOT + (a.edge_term != nullptr);
   a.stages = gatv2_stages();
-  const bool async = use_async<scalar_t>(
-      vec, P, launch_smem<UB>(merge_smem<A, 1, VW, 1>(), true, true, a.stages, nu, 0));
-  auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_plan<scalar_t>(vec, P, async, [&](auto v, auto s, auto heads, auto as) {
-    constexpr int kV = decltype(v)::value, kS = decltype(s)::value;
-    constexpr bool kH = decltype(heads)::value, kA = decltype(as)::value;
-    const size_t smem = launch_smem<UB>(
-        merge_smem<A, kS, kV, Slots<kS, kH>::NKH>(), a.sp.nwin > 0, kA,
-        a.stages, nu, 0);
-    auto kernel = gatv2_bwd_rows_kernel<DOT, scalar_t, index_t, kV, kS, kH, kA>;
-    allow_smem(kernel, smem);
-    kernel<<<dim3(split_grid_x(row_blocks, a.sp), P.L.n_tiles), kBlock, smem,
-             stream>>>(a, P.L, row_blocks);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  launch_plan<scalar_t>(
+      vec, P, dim3(split_grid_x(row_blocks, a.sp), P.L.n_tiles),
+      a.sp.nwin > 0, a.stages, 1 + DOT + (a.edge_term != nullptr), 0,
+      [](auto v, auto s, auto heads, auto as) {
+        return gatv2_bwd_rows_kernel<DOT, scalar_t, index_t, decltype(v)::value,
+                                     decltype(s)::value, decltype(heads)::value,
+                                     decltype(as)::value>;
+      },
+      a, P.L, row_blocks);
   launch_split_sum<scalar_t, index_t>(a.sp, a.rowptr, E, a.part_acc, HC, HC,
                                       a.g_r);
   if (Ns > 0) {
@@ -291,6 +283,7 @@ void run_backward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
                                         a.g_l, DOT ? a.g_v : nullptr);
   }
   if (DOT) return;
+  auto stream = at::cuda::getCurrentCUDAStream();
   // grad_att: the partials summed in warp order, in two steps. The row-block
   // warps' rows and the window blocks' rows are chunked apart, so that the
   // grouping of the first does not depend on the number of windows (a
