@@ -315,12 +315,11 @@ inline bool gatv2_async() {
 }
 
 // Resident blocks per SM that the ASYNC backward kernels are compiled for
-// (launch bounds: at most 80 registers for three blocks, 64 for four; the
-// transformer's source pass spills at 64); the forward stays within 64
-// without a bound.
-constexpr int kGatv2AsyncBlocksRows = 3;     // destination pass, both
-constexpr int kGatv2AsyncBlocksCols = 4;     // gatv2 source pass
-constexpr int kGatv2AsyncBlocksColsDot = 3;  // transformer source pass
+// (launch bounds: at most 80 registers for three blocks, 64 for four, where
+// the others spill); the forward stays within 64 without a bound.
+constexpr int kGatv2AsyncBlocksRows = 3;       // destination pass, both
+constexpr int kGatv2AsyncBlocksCols = 4;       // gatv2 source pass, float32
+constexpr int kGatv2AsyncBlocksColsOther = 3;  // the other source passes
 
 inline int gatv2_stages() {
   const char* env = std::getenv("PYG_FASTATTN_GATV2_STAGES");

@@ -29,7 +29,9 @@ namespace {
 template <bool DOT, typename scalar_t, typename index_t, int V, int S,
           bool HEADS, bool ASYNC>
 __global__ void __launch_bounds__(
-    kBlock, !ASYNC ? 0 : (DOT ? kGatv2AsyncBlocksColsDot : kGatv2AsyncBlocksCols))
+    kBlock, !ASYNC ? 0
+            : (!DOT && sizeof(scalar_t) == 4 ? kGatv2AsyncBlocksCols
+                                             : kGatv2AsyncBlocksColsOther))
     gatv2_bwd_cols_kernel(Gatv2Args<scalar_t, index_t> a, Gatv2Layout L,
                           int64_t row_blocks) {
   using A = acc_t<scalar_t>;
@@ -131,13 +133,18 @@ __global__ void __launch_bounds__(
     };
     if constexpr (ASYNC) {
       // Through the warp's ring: units x_r[i], grad_out[i] (and
-      // edge_term[e]), floats lse[i] and delta[i] of the lane's head; the
-      // tag is e (-1: skip). Index batches are loaded one batch ahead.
+      // edge_term[e]), floats lse[i] and delta[i] of the lane's head and
+      // (with a mask) the 4-byte word that holds mask[e, h], since entries
+      // reach a column in random CSR order; the tag is e (-1: skip). Index
+      // batches are loaded one batch ahead.
       static_assert(S == 1 && NKH == 1, "asynchronous gathers take one slot a lane");
       constexpr int UB = static_cast<int>(sizeof(scalar_t)) * V;
+      const bool has_mask = a.mask != nullptr;
       const Ring<UB> ring(smem + ring_offset(merge_smem<A, S, V, NKH>()), rank,
-                          a.stages, 2 + (has_et ? 1 : 0), 2);
+                          a.stages, 2 + (has_et ? 1 : 0), 2 + (has_mask ? 1 : 0));
       const int h = sl.h[0];
+      const int64_t EH = a.E * H;
+      const bool mask_pairs = (reinterpret_cast<uintptr_t>(a.mask) & 3) == 0;
       index_t ib = 0, eb = 0;
       index_t in = batch_load<index_t>(a.csc_row, start, end, lane);
       index_t en = batch_load<index_t>(a.csc_perm, start, end, lane);
@@ -162,6 +169,16 @@ __global__ void __launch_bounds__(
         if (h >= 0) {
           cp_async<4>(ring.flt(st, 0, lane), a.lse + i * H + h);
           cp_async<4>(ring.flt(st, 1, lane), a.delta + i * H + h);
+          if (has_mask) {
+            const int64_t m = e * H + h;
+            if (sizeof(scalar_t) == 4) {
+              cp_async<4>(ring.flt(st, 2, lane), a.mask + m);
+            } else if (mask_pairs && (m | 1) < EH) {  // the pair holding m
+              cp_async<4>(ring.flt(st, 2, lane), a.mask + (m & ~int64_t(1)));
+            } else {  // a plain copy into the half the body reads
+              reinterpret_cast<scalar_t*>(ring.flt(st, 2, lane))[m & 1] = a.mask[m];
+            }
+          }
         }
       };
       auto body = [&](int64_t, int st) {
@@ -173,7 +190,10 @@ __global__ void __launch_bounds__(
         if (has_et) ring_slot<scalar_t, V>(ring.unit(st, 2, lane), sl.off[0], et[0]);
         lb[0] = h >= 0 ? *ring.flt(st, 0, lane) : neg_inf<A>();
         db[0] = h >= 0 ? *ring.flt(st, 1, lane) : A(0);
-        mb[0] = mask_of(e, 0);
+        mb[0] = h >= 0 && has_mask
+                    ? to_acc(reinterpret_cast<const scalar_t*>(ring.flt(st, 2, lane))
+                                 [sizeof(scalar_t) == 4 ? 0 : (e * H + h) & 1])
+                    : A(1);
         edge(xr, go, et, lb, db, mb);
       };
       async_walk(ring.ns, start, end, fetch, body);
@@ -240,7 +260,8 @@ void launch_bwd_cols(const Gatv2Args<scalar_t, index_t>& a, const Gatv2Plan& P,
   const int64_t row_blocks = ceil_div(a.Ns, kWarpsPerBlock);
   launch_plan<scalar_t>(
       vec, P, dim3(split_grid_x(row_blocks, a.spc), P.L.n_tiles),
-      a.spc.nwin > 0, a.stages, 2 + (a.edge_term != nullptr), 2,
+      a.spc.nwin > 0, a.stages, 2 + (a.edge_term != nullptr),
+      2 + (a.mask != nullptr),
       [](auto v, auto s, auto heads, auto as) {
         return gatv2_bwd_cols_kernel<DOT, scalar_t, index_t, decltype(v)::value,
                                      decltype(s)::value, decltype(heads)::value,
