@@ -606,9 +606,10 @@ def test_async_gathers(monkeypatch, dtype, H, C, idx, split, terms):
     backward passes (all three kernels must take the ring), on a graph with
     empty rows, a hub row, a hub column and 20,000 short rows (split=16:
     every row and column of more than 16 edges on the split path). With
-    terms: edge terms, dropout mask, bias, and out-of-range indices in the
-    CSR and in the transpose (those edges are skipped, their edge-term
-    gradients zero). Every output and gradient is equal bit for bit."""
+    terms: edge terms, a dropout mask at an odd address, bias, and
+    out-of-range indices in the CSR and in the transpose (those edges are
+    skipped, their edge-term gradients zero). Every output and gradient is
+    equal bit for bit."""
     from pyg_fastattn import _build
     if not _build.load().cuda:
         pytest.skip(f'native CUDA kernels unavailable: {_build.load().error}')
@@ -627,8 +628,10 @@ def test_async_gathers(monkeypatch, dtype, H, C, idx, split, terms):
     x_l, x_r, k, v = rnd(Ns, H, C), rnd(N, H, C), rnd(Ns, H, C), rnd(Ns, H, C)
     att, e_t = rnd(H, C), rnd(E, H, C) if terms else None
     bias = rnd(H * C) if terms else None
-    mask = ((torch.rand(E, H, device='cuda', generator=g) > 0.3).to(dtype)
-            / 0.7 if terms else None)
+    mask = None
+    if terms:  # starting one element into its storage (an odd address)
+        m = (torch.rand(E * H + 1, device='cuda', generator=g) > 0.3) / 0.7
+        mask = m.to(dtype)[1:].view(E, H)
     go = rnd(N, H, C, grad=False)
 
     def gatv2():
