@@ -104,7 +104,7 @@ def test_mixed_devices_raise():
 
 
 @pytest.mark.parametrize('device', DEVICES)
-def test_native_ops_never_touch_out_of_bounds(device):
+def test_native_ops_never_touch_out_of_bounds(device, monkeypatch):
     """Unvalidated calls straight into the kernels with garbage indices must
     not crash (kernels clamp rows and skip bad columns)."""
     from pyg_fastattn import _build
@@ -139,6 +139,22 @@ def test_native_ops_never_touch_out_of_bounds(device):
                             *(None, ) * 5)
         K.attention_backward(rowptr, col, *csc_bad, None, None, s, None, vl,
                              1.0, o, lo, go, True)
+        # gatv2 and transformer, on CUDA gathering one edge at a time and
+        # through their shared-memory rings
+        xr, att = torch.randn(4, 2, C, device=device), torch.randn(2, C, device=device)
+        et, mk = torch.randn(4, 2, C, device=device), torch.ones(4, 2, device=device)
+        for ring in (('0', '1') if device == 'cuda' else ('1', )):
+            monkeypatch.setenv('PYG_FASTATTN_GATV2_ASYNC', ring)
+            o, lo = K.gatv2_attention(rowptr, col, vl, xr, et, att, mk, 0.2,
+                                      None, None, None, None, -1, -1)
+            K.gatv2_attention_backward(rowptr, col, *csc_bad, vl, xr, et, att,
+                                       mk, 0.2, None, o, lo, go, True, -1, -1)
+            o, lo = K.transformer_attention(rowptr, col, xr, vl, vl, et, mk,
+                                            0.5, None, None, None, -1, -1,
+                                            False)
+            K.transformer_attention_backward(rowptr, col, *csc_bad, xr, vl, vl,
+                                             et, mk, 0.5, o, lo, go, True, -1,
+                                             -1)
     if device == 'cuda':
         torch.cuda.synchronize()
     # And a valid call still gives the right answer.
