@@ -514,7 +514,8 @@ def test_segment_sum_large(device, avg_deg, heads, idx, dtype):
 @requires_cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize('heads,C', [(4, 32), (1, 32), (8, 16), (2, 8), (4, 12), (1, 4)])
+@pytest.mark.parametrize('heads,C', [(4, 32), (1, 32), (8, 16), (2, 8), (4, 12), (1, 4),
+                                     (2, 64), (1, 128)])
 @pytest.mark.parametrize('idx', IDX)
 @pytest.mark.parametrize('split', [None, '16'])
 @pytest.mark.parametrize('wide', ['0', '1'])
@@ -522,8 +523,9 @@ def test_owner_lanes(monkeypatch, dtype, heads, C, idx, split, wide):
     """CUDA, one head per lane: each weight of an edge batch computed by one
     lane of its head and shuffled (PYG_FASTATTN_OWNER_LANES=1) against every
     lane computing every weight (=0), forward and backward, with a hub row
-    and a hub column (and with split=16 both on the split path); wide=1: the
-    float32 backward's 8-entry batches where a head has 8 lanes. Outputs,
+    and a hub column (and with split=16 both on the split path), 1 to 32
+    lanes a head; wide=1: the float32 backward's 8-entry batches where a
+    head has at least 8 lanes. Outputs,
     grad_values and grad_z (so grad_a_dst) agree bit for bit; grad_a_src sums
     the same terms in another order."""
     if not _build.load().native:

@@ -177,9 +177,11 @@ __device__ __forceinline__ T owned(const T (&x)[N], int own0, int m) {
 template <int STRIDE, typename A, int OWN>
 __device__ __forceinline__ A from_owner(const A (&mine)[OWN], int b,
                                         int gbase) {
-  return STRIDE == 1 ? mine[b]
-                     : __shfl_sync(kFullMask, mine[b / STRIDE],
-                                   gbase | (b % STRIDE));
+  if constexpr (STRIDE == 1) {
+    return mine[b];
+  } else {
+    return __shfl_sync(kFullMask, mine[b / STRIDE], gbase | (b % STRIDE));
+  }
 }
 
 // Sum acc over the edge slots (lane bits [LH*HS, 32)); every lane ends with

@@ -232,6 +232,19 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
       }
     }
   }
+  // A merge rounds in its own lane's order (s * e + s2 * e2 becomes an
+  // fma), so a head's lanes may end with sums a rounding apart: all take
+  // the state of the head's first lane (cl = es = 0, the one that writes
+  // lse), so that an edge's weight does not depend on the lane that
+  // computes it (owner lanes).
+  {
+    const int head0 = lane & (T.LH * T.HS - 1) & ~(T.LH - 1);
+#pragma unroll
+    for (int kh = 0; kh < KHQ; ++kh) {
+      fn.m[kh] = __shfl_sync(kFullMask, fn.m[kh], head0);
+      fn.s[kh] = __shfl_sync(kFullMask, fn.s[kh], head0);
+    }
+  }
   if (nranks > 1) {  // merge over the block's warps, same order everywhere
 #pragma unroll
     for (int kh = 0; kh < KHQ; ++kh) {

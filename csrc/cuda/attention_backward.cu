@@ -567,8 +567,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
       constexpr int EBL = bwd_batch<scalar_t, 1>();
       const int LH = 1 << L.lh_log;
       const bool lean = vec && L.khq == 1 && L.KC == 1 && !mask.defined();
-      const bool edge = lean && grad_z_csr && !a_src.defined() &&
-                        !a_dst.defined();
+      const bool edge = lean && grad_z_csr && a_edge.defined() &&
+                        !a_src.defined() && !a_dst.defined();
       if (edge)
         prologue(std::integral_constant<int, VW>(), std::true_type());
       else if (vec)
