@@ -299,11 +299,11 @@ constexpr int64_t kGatv2SplitChunk = 2048;
 // larger batch's registers cost more occupancy than its gathers in flight
 // gain (benchmarks/RESULTS.md).
 constexpr int kGatv2EdgeBatch = 1;
-// CUDA: with one slot a lane (aligned rows of 32- or 16-bit floats, at most
-// 32 * 4 elements a head tile) the gatv2 / transformer kernels can gather
-// through a ring of kGatv2AsyncStages stages in shared memory (cp.async),
-// kGatv2AsyncStages - 1 edges ahead of the edge they compute, so that the
-// rows of several edges are in flight without registers to hold them.
+// CUDA: with one or four slots a lane (aligned rows of 32- or 16-bit
+// floats) the gatv2 / transformer kernels can gather through a ring of
+// kGatv2AsyncStages stages in shared memory (cp.async), kGatv2AsyncStages - 1
+// edges ahead of the edge they compute, so that the rows of several edges
+// are in flight without registers to hold them.
 // gatv2_async() says whether they do: PYG_FASTATTN_GATV2_ASYNC=0 / 1
 // (tests, A/B runs) overrides kGatv2AsyncDefault; gatv2_stages():
 // PYG_FASTATTN_GATV2_STAGES=2..8 overrides the stages (A/B runs).
@@ -314,9 +314,10 @@ inline bool gatv2_async() {
   return env_flag("PYG_FASTATTN_GATV2_ASYNC", kGatv2AsyncDefault);
 }
 
-// Resident blocks per SM that the ASYNC backward kernels are compiled for
-// (launch bounds: at most 80 registers for three blocks, 64 for four, where
-// the others spill); the forward stays within 64 without a bound.
+// Resident blocks per SM that the ASYNC backward kernels with one slot a
+// lane are compiled for (launch bounds: at most 80 registers for three
+// blocks, 64 for four, where the others spill); the forward stays within 64
+// without a bound, and four-slot kernels have none.
 constexpr int kGatv2AsyncBlocksRows = 3;       // destination pass, both
 constexpr int kGatv2AsyncBlocksCols = 4;       // gatv2 source pass, float32
 constexpr int kGatv2AsyncBlocksColsOther = 3;  // the other source passes

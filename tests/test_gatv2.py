@@ -13,7 +13,7 @@ from torch_geometric.nn import GATv2Conv
 from pyg_fastattn import FastGATv2Conv, ops, reference, swap
 
 from conftest import DEVICES, requires_cuda
-from graphs import assert_deterministic, hub_graph, make_graph, noncontig
+from graphs import assert_deterministic, make_graph, noncontig
 
 KINDS = ['mixed', 'huge', 'empty', 'single', 'deg1']
 
@@ -577,92 +577,3 @@ def test_layer_autocast(backend, device, dtype):
     rel = ((out.float() - out32).norm() / out32.norm()).item()
     assert rel < 3e-2
 
-
-def _async_kernels(fn):
-    """Names of the gatv2 / transformer CUDA kernels that ``fn`` launches
-    with asynchronous gathers (their last template argument is true)."""
-    with torch.profiler.profile(
-            activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return {e.key.split('<')[0].split('::')[-1] for e in prof.key_averages()
-            if 'gatv2_' in e.key and '_kernel<' in e.key
-            and e.key.split('>(')[0].endswith('true')}
-
-
-@requires_cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16,
-                                   torch.float16])
-@pytest.mark.parametrize('H,C', [(4, 32), (8, 16), (1, 64), (2, 8), (3, 4),
-                                 (4, 12)])
-@pytest.mark.parametrize('idx', [torch.int32, torch.int64])
-@pytest.mark.parametrize('split', [None, '16'])
-@pytest.mark.parametrize('terms', [False, True])
-def test_async_gathers(monkeypatch, dtype, H, C, idx, split, terms):
-    """CUDA, one slot a lane: the gatv2 and transformer kernels gathering
-    through their shared-memory rings (PYG_FASTATTN_GATV2_ASYNC=1, rings of
-    2, 4 and 7 stages) against one edge at a time (=0). Forward and both
-    backward passes (all three kernels must take the ring), on a graph with
-    empty rows, a hub row, a hub column and 20,000 short rows (split=16:
-    every row and column of more than 16 edges on the split path). With
-    terms: edge terms, a dropout mask at an odd address, bias, and
-    out-of-range indices in the CSR and in the transpose (those edges are
-    skipped, their edge-term gradients zero). Every output and gradient is
-    equal bit for bit."""
-    from pyg_fastattn import _build
-    if not _build.load().cuda:
-        pytest.skip(f'native CUDA kernels unavailable: {_build.load().error}')
-    rowptr, col, Ns, g = hub_graph(monkeypatch, split, idx, many_rows=True)
-    N, E = rowptr.numel() - 1, col.numel()
-    csc = ops.csr_to_csc(rowptr, col, Ns, validate=False)
-    if terms:  # garbage indices, which the kernels must skip
-        col[[3, 7, E - 1]] = torch.tensor([Ns + 3, -1, Ns], dtype=idx)
-        csc[1][[4, E - 2]] = torch.tensor([N + 5, -1], dtype=idx)
-        csc[2][[9, E - 3]] = torch.tensor([E + 2, -4], dtype=idx)
-
-    def rnd(*shape, grad=True):
-        t = torch.randn(*shape, device='cuda', generator=g).to(dtype)
-        return t.requires_grad_(grad)
-
-    x_l, x_r, k, v = rnd(Ns, H, C), rnd(N, H, C), rnd(Ns, H, C), rnd(Ns, H, C)
-    att, e_t = rnd(H, C), rnd(E, H, C) if terms else None
-    bias = rnd(H * C) if terms else None
-    mask = None
-    if terms:  # starting one element into its storage (an odd address)
-        m = (torch.rand(E * H + 1, device='cuda', generator=g) > 0.3) / 0.7
-        mask = m.to(dtype)[1:].view(E, H)
-    go = rnd(N, H, C, grad=False)
-
-    def gatv2():
-        out = ops.gatv2_attention(rowptr, col, x_l, x_r, att, e_t, mask,
-                                  csc=csc, validate=False, bias=bias)
-        ins = [t for t in (x_l, x_r, att, e_t, bias) if t is not None]
-        return [out] + list(torch.autograd.grad(out, ins, go))
-
-    def transformer():
-        out = ops.transformer_attention(rowptr, col, x_r, k, v, e_t, mask,
-                                        scale=C ** -0.5, csc=csc,
-                                        validate=False)
-        ins = [t for t in (x_r, k, v, e_t) if t is not None]
-        return [out] + list(torch.autograd.grad(out, ins, go))
-
-    for fn in (gatv2, transformer):
-        res = {}
-        for flag, stages in (('0', '4'), ('1', '4'), ('1', '2'), ('1', '7')):
-            monkeypatch.setenv('PYG_FASTATTN_GATV2_ASYNC', flag)
-            monkeypatch.setenv('PYG_FASTATTN_GATV2_STAGES', stages)
-            res[flag, stages] = fn()
-            names = _async_kernels(fn)
-            want = ({'gatv2_fwd_kernel', 'gatv2_bwd_rows_kernel',
-                     'gatv2_bwd_cols_kernel'} if flag == '1' else set())
-            assert names == want, (fn.__name__, flag, stages, names)
-        base = res['0', '4']
-        for k_, a in enumerate(base):
-            assert torch.isfinite(a).all(), (fn.__name__, k_)
-        if terms:  # the skipped edges' edge-term gradient (after out and
-            # the gradients of x_l, x_r, att / query, key, value)
-            assert not base[4][[3, 7, E - 1]].any(), fn.__name__
-        for key, got in res.items():
-            for k_, (a, b) in enumerate(zip(base, got)):
-                assert torch.equal(a, b), (fn.__name__, key, k_)

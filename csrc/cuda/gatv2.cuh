@@ -150,7 +150,7 @@ struct Gatv2Args {
   scalar_t* g_e;          // [E, H, C] or nullptr
   // split path (utils.cuh): long rows (sp, CSR) and long columns (spc, CSC)
   SplitArgs sp, spc;
-  int stages;   // ASYNC kernels: stages of a warp's ring
+  int stages;   // ASYNC kernels: stages of a warp's ring (ring_stages)
   A* part_acc;  // [2 * sp.nwin, H * C]: forward sums / backward grad_x_r
   A* part_ms;   // [2 * sp.nwin, H, 2]: forward (max, sum)
   A* part_c;    // [2 * spc.nwin, H * C]: backward grad_x_l (DOT: [.., 2HC],
@@ -333,8 +333,8 @@ __device__ __forceinline__ void async_walk(int ns, int64_t start, int64_t end,
 // Walks the edges [start, end) of a destination row (forward and backward
 // destination pass): edge(e, xl, v, et) for each edge whose source j is in
 // range, with xl = x_l[j] (DOT: key[j]), v = value[j] (DOT) and et =
-// edge_term[e] (has_et); skip(e) for the others. ASYNC (S = 1): through the
-// warp's ring in ring_smem (nu = 1 + DOT + has_et units); the warp's 32-edge
+// edge_term[e] (has_et); skip(e) for the others. ASYNC: through the warp's
+// ring in ring_smem ((1 + DOT + has_et) * S units); the warp's 32-edge
 // index batches are loaded one batch ahead. Otherwise kGatv2EdgeBatch edges
 // at a time (gather_edges).
 template <bool ASYNC, bool DOT, int V, typename scalar_t, typename index_t,
@@ -345,10 +345,10 @@ __device__ __forceinline__ void walk_sources(
     unsigned char* ring_smem, Edge&& edge, Skip&& skip) {
   using A = acc_t<scalar_t>;
   if constexpr (ASYNC) {
-    static_assert(S == 1, "asynchronous gathers take one slot a lane");
     constexpr int UB = static_cast<int>(sizeof(scalar_t)) * V;
-    const Ring<UB> ring(ring_smem, rank, a.stages, 1 + DOT + (has_et ? 1 : 0), 0);
-    const int ue = 1 + DOT;  // edge_term's unit
+    const Ring<UB> ring(ring_smem, rank, a.stages,
+                        (1 + DOT + (has_et ? 1 : 0)) * S, 0);
+    const int ue = (1 + DOT) * S;  // edge_term's first unit
     index_t jb = 0, jn = batch_load<index_t>(a.col, start, end, lane);
     auto fetch = [&](int64_t p, int s) {
       const int kb = static_cast<int>((p - start) & (kWarp - 1));
@@ -360,12 +360,16 @@ __device__ __forceinline__ void walk_sources(
       if (j >= a.Ns) j = -1;
       *ring.tag(s, lane) = j;
       if (j < 0) return;  // warp-uniform
-      ring_copy<scalar_t, V>(ring.unit(s, 0, lane), a.x_l + j * HC, off[0]);
-      if (DOT)
-        ring_copy<scalar_t, V>(ring.unit(s, 1, lane), a.value + j * HC, off[0]);
-      if (has_et)
-        ring_copy<scalar_t, V>(ring.unit(s, ue, lane), a.edge_term + p * HC,
-                               off[0]);
+#pragma unroll
+      for (int t = 0; t < S; ++t) {
+        ring_copy<scalar_t, V>(ring.unit(s, t, lane), a.x_l + j * HC, off[t]);
+        if (DOT)
+          ring_copy<scalar_t, V>(ring.unit(s, S + t, lane), a.value + j * HC,
+                                 off[t]);
+        if (has_et)
+          ring_copy<scalar_t, V>(ring.unit(s, ue + t, lane),
+                                 a.edge_term + p * HC, off[t]);
+      }
     };
     auto body = [&](int64_t p, int s) {
       if (*ring.tag(s, lane) < 0) {  // warp-uniform
@@ -373,9 +377,13 @@ __device__ __forceinline__ void walk_sources(
         return;
       }
       A xl[S][V], vv[S][V], et[S][V];
-      ring_slot<scalar_t, V>(ring.unit(s, 0, lane), off[0], xl[0]);
-      if (DOT) ring_slot<scalar_t, V>(ring.unit(s, 1, lane), off[0], vv[0]);
-      if (has_et) ring_slot<scalar_t, V>(ring.unit(s, ue, lane), off[0], et[0]);
+#pragma unroll
+      for (int t = 0; t < S; ++t) {
+        ring_slot<scalar_t, V>(ring.unit(s, t, lane), off[t], xl[t]);
+        if (DOT) ring_slot<scalar_t, V>(ring.unit(s, S + t, lane), off[t], vv[t]);
+        if (has_et)
+          ring_slot<scalar_t, V>(ring.unit(s, ue + t, lane), off[t], et[t]);
+      }
       edge(p, xl, vv, et);
     };
     async_walk(ring.ns, start, end, fetch, body);
@@ -566,16 +574,8 @@ inline Gatv2Plan make_plan(int64_t H, int64_t C, int V) {
   return P;
 }
 
-// Whether a launch of the plan takes the asynchronous gathers: one slot a
-// lane on aligned rows of 32- or 16-bit floats, gatv2_async(), and the
-// block's shared memory (smem bytes) within what the device grants.
-template <typename scalar_t>
-inline bool use_async(bool vec, const Gatv2Plan& P, size_t smem) {
-  if (sizeof(scalar_t) > 4 || !vec || P.S != 1 || !gatv2_async()) return false;
-  return smem <= at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
-}
-
-// Calls f(V, S, HEADS, ASYNC) with compile-time constants (ASYNC: use_async).
+// Calls f(V, S, HEADS, ASYNC) with compile-time constants (ASYNC: async,
+// which ring_stages allows only for one or four slots).
 template <typename scalar_t, typename F>
 inline void dispatch_plan(bool vec, const Gatv2Plan& P, bool async, F&& f) {
   constexpr int VW = gatv2_vec<scalar_t>();
@@ -591,9 +591,15 @@ inline void dispatch_plan(bool vec, const Gatv2Plan& P, bool async, F&& f) {
       f(v, std::integral_constant<int, 32>(), std::false_type(), no());
   };
   if constexpr (sizeof(scalar_t) <= 4) {
-    if (async) {
-      f(std::integral_constant<int, VW>(), std::integral_constant<int, 1>(),
-        std::true_type(), std::true_type());
+    if (async) {  // S is 1 or 4 (ring_stages)
+      using VC = std::integral_constant<int, VW>;
+      using yes = std::true_type;
+      if (P.S == 1)
+        f(VC(), std::integral_constant<int, 1>(), yes(), yes());
+      else if (P.heads)
+        f(VC(), std::integral_constant<int, 4>(), yes(), yes());
+      else
+        f(VC(), std::integral_constant<int, 4>(), no(), yes());
       return;
     }
   }
@@ -622,11 +628,33 @@ inline void allow_smem(K kernel, size_t bytes) {
         static_cast<int>(bytes)));
 }
 
+// Stages of the asynchronous gathers for a launch of the plan, 0 for none:
+// one or four slots a lane on aligned rows of 32- or 16-bit floats, and
+// gatv2_async(); gatv2_stages() stages, or fewer (at least 2) where the
+// block's rings (nu units a slot and nf floats a head slot a stage) would
+// not fit the shared memory the device grants.
+template <typename scalar_t>
+inline int ring_stages(bool vec, const Gatv2Plan& P, int nu, int nf) {
+  if (sizeof(scalar_t) > 4 || !vec || P.S > 4 || !gatv2_async()) return 0;
+  using A = acc_t<scalar_t>;
+  constexpr int VW = gatv2_vec<scalar_t>();
+  constexpr int UB = static_cast<int>(sizeof(scalar_t)) * VW;
+  const int nkh = P.heads ? P.S : 1;
+  const size_t merge = P.S == 1   ? merge_smem<A, 1, VW, 1>()
+                       : P.heads ? merge_smem<A, 4, VW, 4>()
+                                 : merge_smem<A, 4, VW, 1>();
+  const size_t limit =
+      at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  for (int ns = gatv2_stages(); ns >= 2; --ns)
+    if (launch_smem<UB>(merge, true, true, ns, nu * P.S, nf * nkh) <= limit)
+      return ns;
+  return 0;
+}
+
 // Launches kernel_of(V, S, HEADS, ASYNC) (a generic lambda returning the
 // kernel for those compile-time constants) on `grid` with `args`, with the
 // shared memory it needs: the merge space when the launch has window
-// blocks, and the rings (`stages` stages of nu units and nf floats) when it
-// takes the asynchronous gathers (use_async).
+// blocks, and the rings when stages > 0 (ring_stages of the same nu, nf).
 template <typename scalar_t, typename KernelOf, typename... Args>
 inline void launch_plan(bool vec, const Gatv2Plan& P, dim3 grid, bool windows,
                         int stages, int nu, int nf, KernelOf&& kernel_of,
@@ -634,16 +662,13 @@ inline void launch_plan(bool vec, const Gatv2Plan& P, dim3 grid, bool windows,
   using A = acc_t<scalar_t>;
   constexpr int VW = gatv2_vec<scalar_t>();
   constexpr int UB = static_cast<int>(sizeof(scalar_t)) * VW;
-  const bool async = use_async<scalar_t>(
-      vec, P, launch_smem<UB>(merge_smem<A, 1, VW, 1>(), true, true, stages,
-                              nu, nf));
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_plan<scalar_t>(vec, P, async, [&](auto v, auto s, auto heads, auto as) {
+  dispatch_plan<scalar_t>(vec, P, stages > 0, [&](auto v, auto s, auto heads, auto as) {
     constexpr int kV = decltype(v)::value, kS = decltype(s)::value;
     constexpr bool kH = decltype(heads)::value, kA = decltype(as)::value;
-    const size_t smem = launch_smem<UB>(
-        merge_smem<A, kS, kV, Slots<kS, kH>::NKH>(), windows, kA, stages, nu,
-        nf);
+    constexpr int NKH = Slots<kS, kH>::NKH;
+    const size_t smem = launch_smem<UB>(merge_smem<A, kS, kV, NKH>(), windows,
+                                        kA, stages, nu * kS, nf * NKH);
     auto kernel = kernel_of(v, s, heads, as);
     allow_smem(kernel, smem);
     kernel<<<grid, kBlock, smem, stream>>>(args...);

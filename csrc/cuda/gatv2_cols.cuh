@@ -29,7 +29,7 @@ namespace {
 template <bool DOT, typename scalar_t, typename index_t, int V, int S,
           bool HEADS, bool ASYNC>
 __global__ void __launch_bounds__(
-    kBlock, !ASYNC ? 0
+    kBlock, !ASYNC || S > 1 ? 0
             : (!DOT && sizeof(scalar_t) == 4 ? kGatv2AsyncBlocksCols
                                              : kGatv2AsyncBlocksColsOther))
     gatv2_bwd_cols_kernel(Gatv2Args<scalar_t, index_t> a, Gatv2Layout L,
@@ -133,16 +133,15 @@ __global__ void __launch_bounds__(
     };
     if constexpr (ASYNC) {
       // Through the warp's ring: units x_r[i], grad_out[i] (and
-      // edge_term[e]), floats lse[i] and delta[i] of the lane's head and
-      // (with a mask) the 4-byte word that holds mask[e, h], since entries
-      // reach a column in random CSR order; the tag is e (-1: skip). Index
-      // batches are loaded one batch ahead.
-      static_assert(S == 1 && NKH == 1, "asynchronous gathers take one slot a lane");
+      // edge_term[e]) of each slot, and floats lse[i] and delta[i] of each
+      // head slot and (with a mask) the 4-byte word that holds mask[e, h],
+      // since entries reach a column in random CSR order; the tag is e (-1:
+      // skip). Index batches are loaded one batch ahead.
       constexpr int UB = static_cast<int>(sizeof(scalar_t)) * V;
       const bool has_mask = a.mask != nullptr;
       const Ring<UB> ring(smem + ring_offset(merge_smem<A, S, V, NKH>()), rank,
-                          a.stages, 2 + (has_et ? 1 : 0), 2 + (has_mask ? 1 : 0));
-      const int h = sl.h[0];
+                          a.stages, (2 + (has_et ? 1 : 0)) * S,
+                          (2 + (has_mask ? 1 : 0)) * NKH);
       const int64_t EH = a.E * H;
       const bool mask_pairs = (reinterpret_cast<uintptr_t>(a.mask) & 3) == 0;
       index_t ib = 0, eb = 0;
@@ -161,23 +160,30 @@ __global__ void __launch_bounds__(
         const bool ok = i >= 0 && i < a.N && e >= 0 && e < a.E;
         *ring.tag(st, lane) = ok ? e : -1;
         if (!ok) return;  // warp-uniform
-        ring_copy<scalar_t, V>(ring.unit(st, 0, lane), a.x_r + i * HC, sl.off[0]);
-        ring_copy<scalar_t, V>(ring.unit(st, 1, lane), a.grad_out + i * HC, sl.off[0]);
-        if (has_et)
-          ring_copy<scalar_t, V>(ring.unit(st, 2, lane), a.edge_term + e * HC,
-                                 sl.off[0]);
-        if (h >= 0) {
-          cp_async<4>(ring.flt(st, 0, lane), a.lse + i * H + h);
-          cp_async<4>(ring.flt(st, 1, lane), a.delta + i * H + h);
-          if (has_mask) {
-            const int64_t m = e * H + h;
-            if (sizeof(scalar_t) == 4) {
-              cp_async<4>(ring.flt(st, 2, lane), a.mask + m);
-            } else if (mask_pairs && (m | 1) < EH) {  // the pair holding m
-              cp_async<4>(ring.flt(st, 2, lane), a.mask + (m & ~int64_t(1)));
-            } else {  // a plain copy into the half the body reads
-              reinterpret_cast<scalar_t*>(ring.flt(st, 2, lane))[m & 1] = a.mask[m];
-            }
+#pragma unroll
+        for (int t = 0; t < S; ++t) {
+          ring_copy<scalar_t, V>(ring.unit(st, t, lane), a.x_r + i * HC, sl.off[t]);
+          ring_copy<scalar_t, V>(ring.unit(st, S + t, lane), a.grad_out + i * HC,
+                                 sl.off[t]);
+          if (has_et)
+            ring_copy<scalar_t, V>(ring.unit(st, 2 * S + t, lane),
+                                   a.edge_term + e * HC, sl.off[t]);
+        }
+#pragma unroll
+        for (int kh = 0; kh < NKH; ++kh) {
+          const int h = sl.h[kh];
+          if (h < 0) continue;
+          cp_async<4>(ring.flt(st, kh, lane), a.lse + i * H + h);
+          cp_async<4>(ring.flt(st, NKH + kh, lane), a.delta + i * H + h);
+          if (!has_mask) continue;
+          const int64_t m = e * H + h;
+          float* dst = ring.flt(st, 2 * NKH + kh, lane);
+          if (sizeof(scalar_t) == 4) {
+            cp_async<4>(dst, a.mask + m);
+          } else if (mask_pairs && (m | 1) < EH) {  // the pair holding m
+            cp_async<4>(dst, a.mask + (m & ~int64_t(1)));
+          } else {  // a plain copy into the half the body reads
+            reinterpret_cast<scalar_t*>(dst)[m & 1] = a.mask[m];
           }
         }
       };
@@ -185,15 +191,25 @@ __global__ void __launch_bounds__(
         const int64_t e = *ring.tag(st, lane);
         if (e < 0) return;  // warp-uniform
         A xr[S][V], go[S][V], et[S][V], lb[NKH], db[NKH], mb[NKH];
-        ring_slot<scalar_t, V>(ring.unit(st, 0, lane), sl.off[0], xr[0]);
-        ring_slot<scalar_t, V>(ring.unit(st, 1, lane), sl.off[0], go[0]);
-        if (has_et) ring_slot<scalar_t, V>(ring.unit(st, 2, lane), sl.off[0], et[0]);
-        lb[0] = h >= 0 ? *ring.flt(st, 0, lane) : neg_inf<A>();
-        db[0] = h >= 0 ? *ring.flt(st, 1, lane) : A(0);
-        mb[0] = h >= 0 && has_mask
-                    ? to_acc(reinterpret_cast<const scalar_t*>(ring.flt(st, 2, lane))
-                                 [sizeof(scalar_t) == 4 ? 0 : (e * H + h) & 1])
-                    : A(1);
+#pragma unroll
+        for (int t = 0; t < S; ++t) {
+          ring_slot<scalar_t, V>(ring.unit(st, t, lane), sl.off[t], xr[t]);
+          ring_slot<scalar_t, V>(ring.unit(st, S + t, lane), sl.off[t], go[t]);
+          if (has_et)
+            ring_slot<scalar_t, V>(ring.unit(st, 2 * S + t, lane), sl.off[t],
+                                   et[t]);
+        }
+#pragma unroll
+        for (int kh = 0; kh < NKH; ++kh) {
+          const int h = sl.h[kh];
+          lb[kh] = h >= 0 ? *ring.flt(st, kh, lane) : neg_inf<A>();
+          db[kh] = h >= 0 ? *ring.flt(st, NKH + kh, lane) : A(0);
+          mb[kh] = h >= 0 && has_mask
+                       ? to_acc(reinterpret_cast<const scalar_t*>(
+                             ring.flt(st, 2 * NKH + kh, lane))
+                             [sizeof(scalar_t) == 4 ? 0 : (e * H + h) & 1])
+                       : A(1);
+        }
         edge(xr, go, et, lb, db, mb);
       };
       async_walk(ring.ns, start, end, fetch, body);
@@ -258,16 +274,18 @@ template <bool DOT, typename scalar_t, typename index_t>
 void launch_bwd_cols(const Gatv2Args<scalar_t, index_t>& a, const Gatv2Plan& P,
                      bool vec) {
   const int64_t row_blocks = ceil_div(a.Ns, kWarpsPerBlock);
+  Gatv2Args<scalar_t, index_t> c = a;  // its own ring stages
+  const int nu = 2 + (a.edge_term != nullptr), nf = 2 + (a.mask != nullptr);
+  c.stages = ring_stages<scalar_t>(vec, P, nu, nf);
   launch_plan<scalar_t>(
       vec, P, dim3(split_grid_x(row_blocks, a.spc), P.L.n_tiles),
-      a.spc.nwin > 0, a.stages, 2 + (a.edge_term != nullptr),
-      2 + (a.mask != nullptr),
+      a.spc.nwin > 0, c.stages, nu, nf,
       [](auto v, auto s, auto heads, auto as) {
         return gatv2_bwd_cols_kernel<DOT, scalar_t, index_t, decltype(v)::value,
                                      decltype(s)::value, decltype(heads)::value,
                                      decltype(as)::value>;
       },
-      a, P.L, row_blocks);
+      c, P.L, row_blocks);
 }
 
 #define PFA_GATV2_COLS(DOT, T)                                               \

@@ -169,10 +169,10 @@ void run_forward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
   const int64_t row_blocks = ceil_div(a.N, kWarpsPerBlock);
   const dim3 grid(split_grid_x(row_blocks, a.sp),
                   static_cast<unsigned>(P.L.n_tiles));
-  a.stages = gatv2_stages();
+  const int nu = 1 + DOT + (a.edge_term != nullptr);
+  a.stages = ring_stages<scalar_t>(vec, P, nu, 0);
   launch_plan<scalar_t>(
-      vec, P, grid, a.sp.nwin > 0, a.stages, 1 + DOT + (a.edge_term != nullptr),
-      0,
+      vec, P, grid, a.sp.nwin > 0, a.stages, nu, 0,
       [](auto v, auto s, auto heads, auto as) {
         return gatv2_fwd_kernel<DOT, scalar_t, index_t, decltype(v)::value,
                                 decltype(s)::value, decltype(heads)::value,

@@ -32,7 +32,8 @@ namespace {
 // grad_edge_term are zeroed by a grid-stride loop of the row blocks.
 template <bool DOT, typename scalar_t, typename index_t, int V, int S,
           bool HEADS, bool ASYNC>
-__global__ void __launch_bounds__(kBlock, ASYNC ? kGatv2AsyncBlocksRows : 0)
+__global__ void __launch_bounds__(kBlock,
+                                  ASYNC && S == 1 ? kGatv2AsyncBlocksRows : 0)
     gatv2_bwd_rows_kernel(Gatv2Args<scalar_t, index_t> a, Gatv2Layout L,
                           int64_t row_blocks) {
   using A = acc_t<scalar_t>;
@@ -265,10 +266,11 @@ void run_backward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
   }
   constexpr int VW = gatv2_vec<scalar_t>();
   const Gatv2Plan P = make_plan(H, C, vec ? VW : 1);
-  a.stages = gatv2_stages();
+  const int nu = 1 + DOT + (a.edge_term != nullptr);
+  a.stages = ring_stages<scalar_t>(vec, P, nu, 0);
   launch_plan<scalar_t>(
       vec, P, dim3(split_grid_x(row_blocks, a.sp), P.L.n_tiles),
-      a.sp.nwin > 0, a.stages, 1 + DOT + (a.edge_term != nullptr), 0,
+      a.sp.nwin > 0, a.stages, nu, 0,
       [](auto v, auto s, auto heads, auto as) {
         return gatv2_bwd_rows_kernel<DOT, scalar_t, index_t, decltype(v)::value,
                                      decltype(s)::value, decltype(heads)::value,
