@@ -245,8 +245,9 @@ __device__ __forceinline__ void gather_edges(
 }
 
 // ---------------------------------------------------------------------------
-// Asynchronous gathers (ASYNC kernels: one slot a lane, UB-byte units).
-// Each warp has a ring of ns >= 2 stages (gatv2_stages()) in shared memory.
+// Asynchronous gathers (ASYNC kernels: one or four slots a lane, UB-byte
+// units). Each warp has a ring of ns >= 2 stages (ring_stages, launch_plan)
+// in shared memory.
 // A stage holds, for each lane, nu units (the rows of one edge), the edge's
 // tag (int64; -1: skip the edge) and nf floats; a lane writes and reads
 // only its own places, so no lane waits for another.
@@ -655,9 +656,11 @@ inline int ring_stages(bool vec, const Gatv2Plan& P, int nu, int nf) {
 // kernel for those compile-time constants) on `grid` with `args`, with the
 // shared memory it needs: the merge space when the launch has window
 // blocks, and the rings when stages > 0 (ring_stages of the same nu, nf).
+// `stages` (the field of args the kernel reads) is lowered, to 2 at least,
+// while the rings would cost resident blocks that the registers allow.
 template <typename scalar_t, typename KernelOf, typename... Args>
 inline void launch_plan(bool vec, const Gatv2Plan& P, dim3 grid, bool windows,
-                        int stages, int nu, int nf, KernelOf&& kernel_of,
+                        int& stages, int nu, int nf, KernelOf&& kernel_of,
                         const Args&... args) {
   using A = acc_t<scalar_t>;
   constexpr int VW = gatv2_vec<scalar_t>();
@@ -667,9 +670,21 @@ inline void launch_plan(bool vec, const Gatv2Plan& P, dim3 grid, bool windows,
     constexpr int kV = decltype(v)::value, kS = decltype(s)::value;
     constexpr bool kH = decltype(heads)::value, kA = decltype(as)::value;
     constexpr int NKH = Slots<kS, kH>::NKH;
-    const size_t smem = launch_smem<UB>(merge_smem<A, kS, kV, NKH>(), windows,
-                                        kA, stages, nu * kS, nf * NKH);
     auto kernel = kernel_of(v, s, heads, as);
+    auto smem_of = [&](int ns) {
+      return launch_smem<UB>(merge_smem<A, kS, kV, NKH>(), windows, kA, ns,
+                             nu * kS, nf * NKH);
+    };
+    if constexpr (kA) {
+      static const int occ = blocks_per_sm(kernel);
+      const auto* prop = at::cuda::getCurrentDeviceProperties();
+      while (stages > 2 &&
+             static_cast<size_t>(occ) *
+                     (smem_of(stages) + prop->reservedSharedMemPerBlock) >
+                 prop->sharedMemPerMultiprocessor)
+        --stages;
+    }
+    const size_t smem = smem_of(stages);
     allow_smem(kernel, smem);
     kernel<<<grid, kBlock, smem, stream>>>(args...);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
