@@ -126,6 +126,11 @@ __global__ void __launch_bounds__(
                        leaky_grad(z[t][k], a.slope, gs[kh] * att[t][k]);
       }
     };
+    // mask of CSR position e for head slot kh
+    auto mask_of = [&](int64_t e, int kh) {
+      return sl.h[kh] >= 0 && a.mask != nullptr
+                 ? to_acc(a.mask[e * H + sl.h[kh]]) : A(1);
+    };
     if constexpr (ASYNC) {
       // Through the warp's ring: units x_r[i], grad_out[i] (and
       // edge_term[e]) of each slot, and floats lse[i] and delta[i] of each
@@ -234,7 +239,7 @@ __global__ void __launch_bounds__(
             const bool ok = sl.h[kh] >= 0;
             lb[b][kh] = ok ? a.lse[i * H + sl.h[kh]] : neg_inf<A>();
             db[b][kh] = ok ? a.delta[i * H + sl.h[kh]] : A(0);
-            mb[b][kh] = ok && a.mask != nullptr ? to_acc(a.mask[e * H + sl.h[kh]]) : A(1);
+            mb[b][kh] = mask_of(e, kh);
           }
         }
 #pragma unroll
