@@ -120,6 +120,36 @@ def test_opcheck(backend, device, idx):
     assert seen | {'gat_attention_backward'} == set(_lib._names)
 
 
+@pytest.mark.parametrize('device', DEVICES)
+def test_no_second_derivative(backend, device):
+    """Every differentiable op under create_graph: the same first-order
+    gradients, and differentiating them raises a clear error (torch.autograd
+    .grad too: it must not prune the error away and return a wrong number)."""
+    for name, args in _op_cases(device, torch.int64):
+        inputs = [a for a in args
+                  if isinstance(a, torch.Tensor) and a.requires_grad]
+        if not inputs:
+            continue
+        out = _lib.op(name)(*args)
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        w = torch.randn_like(out)
+        loss = lambda: (out * w).pow(2).sum()  # noqa: E731
+        plain = torch.autograd.grad(loss(), inputs, retain_graph=True,
+                                    allow_unused=True)
+        grads = torch.autograd.grad(loss(), inputs, create_graph=True,
+                                    allow_unused=True)
+        for a, b in zip(plain, grads):
+            assert (a is None) == (b is None), name
+            if a is not None:
+                assert torch.equal(a, b.detach()), name
+        second = sum(g.pow(2).sum() for g in grads if g is not None)
+        with pytest.raises(RuntimeError, match=f'{name} has no second deriv'):
+            torch.autograd.grad(second, inputs, allow_unused=True,
+                                retain_graph=True)
+        with pytest.raises(RuntimeError, match='no second derivative'):
+            second.backward()
+
+
 GAT_MODES = ['lin', 'shared', 'bipartite', 'no_dst']
 
 

@@ -8,6 +8,8 @@
 #include <tuple>
 #include <vector>
 
+#include "../common.h"
+
 namespace pyg_fastattn {
 
 // The transpose (colptr, row, perm) of a CSR graph for a backward whose
@@ -75,6 +77,65 @@ inline void save_attention_state(torch::autograd::AutogradContext* ctx,
   ctx->saved_data["max_col_len"] = max_col_len;
   ctx->mark_non_differentiable({lse});
   ctx->set_materialize_grads(false);
+}
+
+// The gradients of a backward as they are under create_graph (grad mode on
+// in the backward): the same tensors, with a grad_fn that raises. Its graph
+// inputs are the incoming gradients and the forward's saved tensors, so
+// that differentiating those gradients (torch.autograd.grad included) meets
+// it on the way to the forward's inputs.
+class NoSecondDerivative
+    : public torch::autograd::Function<NoSecondDerivative> {
+ public:
+  static torch::autograd::variable_list forward(
+      torch::autograd::AutogradContext* ctx, at::TensorList grads,
+      at::TensorList graph_inputs, const std::string& op) {
+    ctx->saved_data["op"] = op;
+    return grads.vec();
+  }
+
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list) {
+    const std::string op = ctx->saved_data["op"].toStringRef();
+    PFA_CHECK(false, op.c_str(),
+              " has no second derivative: differentiating its gradient "
+              "(create_graph=True: double backward, gradient penalties) is "
+              "not supported. Use the PyG layer for higher-order gradients.");
+    return {};
+  }
+};
+
+// A backward run as Python's @once_differentiable runs one: `compute`
+// without grad mode, then under create_graph its gradients through
+// NoSecondDerivative, so that a double backward raises a clear error rather
+// than differentiating only the ATen parts of the backward.
+template <typename Compute>
+torch::autograd::variable_list once_differentiable(
+    const char* op, torch::autograd::AutogradContext* ctx,
+    const torch::autograd::variable_list& grads_out, Compute&& compute) {
+  const bool create_graph = at::GradMode::is_enabled();
+  torch::autograd::variable_list grads;
+  {
+    at::NoGradGuard no_grad;
+    grads = compute();
+  }
+  if (!create_graph) return grads;
+  std::vector<at::Tensor> defined, inputs;
+  for (const at::Tensor& g : grads)
+    if (g.defined()) defined.push_back(g);
+  if (defined.empty()) return grads;
+  for (const at::Tensor& t : grads_out)
+    if (t.defined() && t.requires_grad()) inputs.push_back(t);
+  for (const at::Tensor& t : ctx->get_saved_variables())
+    if (t.defined() && t.requires_grad()) inputs.push_back(t);
+  const torch::autograd::variable_list wrapped = NoSecondDerivative::apply(
+      at::TensorList(defined), at::TensorList(inputs),
+      std::string(op));
+  size_t k = 0;
+  for (at::Tensor& g : grads)
+    if (g.defined()) g = wrapped[k++];
+  return grads;
 }
 
 }  // namespace pyg_fastattn

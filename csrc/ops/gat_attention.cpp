@@ -378,6 +378,14 @@ class GATAttentionFunction
   static torch::autograd::variable_list backward(
       torch::autograd::AutogradContext* ctx,
       torch::autograd::variable_list grads) {
+    return once_differentiable("gat_attention", ctx, grads,
+                               [&] { return gradients(ctx, grads); });
+  }
+
+ private:
+  static torch::autograd::variable_list gradients(
+      torch::autograd::AutogradContext* ctx,
+      const torch::autograd::variable_list& grads) {
     torch::autograd::variable_list res(kNumArgs);
     if (!grads[0].defined()) return res;
     const std::array<bool, 8> output_mask = needed_grads<8>(ctx);

@@ -151,6 +151,14 @@ class GATv2AttentionFunction
   static torch::autograd::variable_list backward(
       torch::autograd::AutogradContext* ctx,
       torch::autograd::variable_list grads) {
+    return once_differentiable("gatv2_attention", ctx, grads,
+                               [&] { return gradients(ctx, grads); });
+  }
+
+ private:
+  static torch::autograd::variable_list gradients(
+      torch::autograd::AutogradContext* ctx,
+      const torch::autograd::variable_list& grads) {
     torch::autograd::variable_list res(kNumArgs);
     if (!grads[0].defined()) return res;
     const auto need = needed_grads<kGradArgs.size()>(ctx);

@@ -6,6 +6,7 @@
 
 #include "../common.h"
 #include "autocast.h"
+#include "autograd.h"
 
 namespace pyg_fastattn {
 
@@ -103,6 +104,14 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
   static torch::autograd::variable_list backward(
       torch::autograd::AutogradContext* ctx,
       torch::autograd::variable_list grads) {
+    return once_differentiable("linear", ctx, grads,
+                               [&] { return gradients(ctx, grads); });
+  }
+
+ private:
+  static torch::autograd::variable_list gradients(
+      torch::autograd::AutogradContext* ctx,
+      const torch::autograd::variable_list& grads) {
     torch::autograd::variable_list res(3);
     if (!grads[0].defined()) return res;
     const auto saved = ctx->get_saved_variables();

@@ -3,6 +3,7 @@
 // Schema, fakes and a Python twin of the autograd formula (for builds
 // without this extension) live in pyg_fastattn/ops/transformer.py.
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include "../common.h"
@@ -164,7 +165,6 @@ class TransformerAttentionFunction
     // after rowptr, col, query, key and value.
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["in_place"] = grads_in_place;
-    ctx->saved_data["spent"] = false;
     save_attention_state(ctx, lse, max_row_len, max_col_len);
     return {out, lse};
   }
@@ -172,15 +172,16 @@ class TransformerAttentionFunction
   static torch::autograd::variable_list backward(
       torch::autograd::AutogradContext* ctx,
       torch::autograd::variable_list grads) {
+    return once_differentiable("transformer_attention", ctx, grads,
+                               [&] { return gradients(ctx, grads); });
+  }
+
+ private:
+  static torch::autograd::variable_list gradients(
+      torch::autograd::AutogradContext* ctx,
+      const torch::autograd::variable_list& grads) {
     torch::autograd::variable_list res(kNumArgs);
     if (!grads[0].defined()) return res;
-    PFA_CHECK(!ctx->saved_data["spent"].toBool(),
-              "transformer_attention: this graph was already backpropagated "
-              "through, and its backward wrote the gradients over the saved "
-              "out, key and value (grads_in_place=True, which "
-              "FastTransformerConv uses to save memory). To backward twice "
-              "(retain_graph=True), set `grads_in_place = False` on the "
-              "layer (or pass grads_in_place=False to the op).");
     auto v = ctx->get_saved_variables();
     at::Tensor rowptr = v[0], col = v[1], query = v[2], key = v[3],
                value = v[4], edge_term = v[5], mask = v[6], out = v[7],
@@ -198,11 +199,14 @@ class TransformerAttentionFunction
     std::vector<at::Tensor> s = {rowptr, col, colptr, csc_row, csc_perm,
                                  query,  key, value,  out,     lse};
     at::Tensor g_q, g_k, g_v, g_e;
+    // In place only when autograd frees the graph after this backward
+    // (no retain_graph or create_graph): nothing can read out, key and
+    // value again.
     if (ctx->saved_data["in_place"].toBool() &&
+        !torch::autograd::get_current_graph_task_keep_graph() &&
         may_overwrite(query, key, value, edge_term, out, grad_out)) {
       g_e = call_backward_(s, e, m, scale, grad_out, need_edge, max_row,
                            max_col);
-      ctx->saved_data["spent"] = true;
       for (const at::Tensor& t : {out, key, value})  // other saved views fail
         torch::autograd::impl::bump_version(t);
       g_q = out, g_k = key, g_v = value;

@@ -6,6 +6,7 @@ A layer built on it supplies how edges are scored; the base owns the graph
 attention dropout, the dtype/autocast policy, the call into the fused
 softmax + aggregation kernels and ``return_attention_weights``.
 """
+import contextlib
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -120,6 +121,13 @@ class FusedAttentionConv(MessagePassing):
     #: 0 turns it off.
     fuse_projections_max_elems: int = 1 << 23
 
+    # PyG's first instance of a class keeps the class's ``propagate`` as its
+    # ``_orig_propagate`` (explain mode runs it). Built after an instance of
+    # the PyG parent, ours would keep the parent's generated propagate,
+    # which ignores edge masks: the originals, ahead of the parent's.
+    propagate = MessagePassing.propagate
+    edge_updater = MessagePassing.edge_updater
+
     # Hooks ##################################################################
 
     def compute_score(self, graph: PreparedGraph, x_src, x_dst,
@@ -161,16 +169,45 @@ class FusedAttentionConv(MessagePassing):
     # The fused path #########################################################
 
     def fused_path(self, edge_index=None) -> bool:
-        """Whether the fused kernels compute this layer (else the subclass
-        falls back to PyG's message passing, which cannot take a
-        :class:`PreparedGraph` ``edge_index``: that raises)."""
+        """Whether the fused kernels compute this layer: ``aggr='add'``,
+        ``flow='source_to_target'``, explain mode off, no message-passing
+        hooks (``register_message_forward_hook`` and the like: PyG's
+        ``AttentionExplainer`` reads ``alpha`` through one) and no
+        parameter still lazy (PyG's forward initializes them, in its order,
+        so that a seed gives PyG's weights). Else the subclass falls back
+        to PyG's message passing, which cannot take a :class:`PreparedGraph`
+        ``edge_index``: that raises."""
         fused = (self.aggr in ('add', 'sum')
-                 and self.flow == 'source_to_target' and not self._explain)
+                 and self.flow == 'source_to_target' and not self._explain
+                 and not self._has_message_passing_hooks()
+                 and self._materialized())
         if not fused and isinstance(edge_index, PreparedGraph):
             raise ValueError(
                 'a PreparedGraph needs the fused path (aggr="add", '
-                'flow="source_to_target", explain off); pass edge_index')
+                'flow="source_to_target", explain off, no message-passing '
+                'hooks, parameters initialized); pass edge_index')
         return fused
+
+    def _has_message_passing_hooks(self) -> bool:
+        return bool(
+            self._propagate_forward_pre_hooks or self._propagate_forward_hooks
+            or self._message_forward_pre_hooks or self._message_forward_hooks
+            or self._aggregate_forward_pre_hooks
+            or self._aggregate_forward_hooks
+            or self._message_and_aggregate_forward_pre_hooks
+            or self._message_and_aggregate_forward_hooks
+            or self._edge_update_forward_pre_hooks
+            or self._edge_update_forward_hooks)
+
+    def _materialized(self) -> bool:
+        """No parameter is an uninitialized lazy one (checked until true)."""
+        if self.__dict__.get('_all_materialized', False):
+            return True
+        if any(isinstance(p, UninitializedParameter)
+               for p in self.parameters()):
+            return False
+        self.__dict__['_all_materialized'] = True
+        return True
 
     def fused_propagate(self, graph: PreparedGraph, values: Tensor, x_src,
                         x_dst, edge_attr: Optional[Tensor], edge_index,
@@ -328,8 +365,11 @@ class FusedAttentionConv(MessagePassing):
 
     @staticmethod
     def check_edge_attr(edge_attr: Tensor, graph: PreparedGraph) -> Tensor:
-        """``edge_attr`` as [E, D] (a 1-D one becomes [E, 1]), checked."""
+        """``edge_attr`` as [E, D] (a 1-D one becomes [E, 1], an [E, 1, ...,
+        D] one [E, D], as PyG's layers take them), checked."""
         ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
+        if ea.dim() > 2 and ea[0].numel() == ea.size(-1):
+            ea = ea.reshape(ea.size(0), ea.size(-1))
         if ea.size(0) != graph.num_edges:
             raise ValueError(f'`edge_attr` must have one row per edge '
                              f'({graph.num_edges}), got {ea.size(0)}')
@@ -417,9 +457,14 @@ class FusedAttentionConv(MessagePassing):
         sizes = [lin.weight.size(0) for lin in lins]
         if x.size(0) * sum(sizes) > self.fuse_projections_max_elems:
             return None
-        y = ops.linear(x, torch.cat([lin.weight for lin in lins]),
-                       torch.cat([lin.bias for lin in lins])
-                       if biased[0] else None)
+        dev = x.device.type
+        # (the concatenations in the parameters' dtype: autocast's rule for
+        # cat rejects a float16 list under bfloat16; ops.linear casts)
+        with (torch.autocast(dev, enabled=False)
+              if torch.is_autocast_enabled(dev) else contextlib.nullcontext()):
+            w = torch.cat([lin.weight for lin in lins])
+            b = torch.cat([lin.bias for lin in lins]) if biased[0] else None
+        y = ops.linear(x, w, b)
         return list(torch.split_with_sizes_copy(y, sizes, dim=1))
 
     @staticmethod

@@ -74,8 +74,7 @@ class FastGATConv(FusedAttentionConv, GATConv):
         node terms itself."""
         a_edge = None
         if edge_attr is not None and self.lin_edge is not None:
-            self.materialize(self.lin_edge, edge_attr)
-            a_edge = self.per_edge_cast(edge_attr @ self._edge_weight(),
+            a_edge = self.per_edge_cast(self._edge_term(edge_attr),
                                         x_src.dtype, x_src.device)
         return AdditiveScore(
             (x_src * self.att_src).sum(dim=-1),  # [Ns, H]
@@ -178,11 +177,19 @@ class FastGATConv(FusedAttentionConv, GATConv):
         return (not want_weights and plain_linear(self.lin, x)
                 and self.lin.bias is None)
 
-    def _edge_weight(self) -> Tensor:
-        """``att_edge`` folded into ``lin_edge``'s weight: W_eff [D, H]."""
+    def _edge_term(self, edge_attr: Tensor) -> Tensor:
+        """``<lin_edge(edge_attr), att_edge>`` per head: [E, H]. For PyG's
+        plain ``Linear`` (:func:`plain_linear`) ``att_edge`` is folded into
+        its weight (``W_eff`` [D, H]): nothing of size [E, H * C]; any
+        other module (LoRA, hooks) is called."""
+        self.materialize(self.lin_edge, edge_attr)
         H, C = self.heads, self.out_channels
-        w = self.lin_edge.weight.view(H, C, -1)
-        return (w * self.att_edge.view(H, C, 1)).sum(dim=1).t()
+        if plain_linear(self.lin_edge, edge_attr):
+            w = self.lin_edge.weight.view(H, C, -1)
+            w_eff = (w * self.att_edge.view(H, C, 1)).sum(dim=1).t()
+            return edge_attr @ w_eff
+        return (self.lin_edge(edge_attr).view(-1, H, C)
+                * self.att_edge).sum(dim=-1)
 
     def _edge_scores(self, edge_attr: Optional[Tensor],
                      graph: PreparedGraph) -> Optional[Tensor]:
@@ -190,10 +197,8 @@ class FastGATConv(FusedAttentionConv, GATConv):
         if edge_attr is None or self.lin_edge is None or graph.num_aug == 0:
             return None
         ea = self.check_edge_attr(edge_attr, graph)
-        self.materialize(self.lin_edge, ea)
-        w_eff = self._edge_weight()
-        a_edge = ea @ w_eff
+        a_edge = self._edge_term(ea)
         if graph.num_loops > 0:
-            a_loop = self.loop_edge_attr(ea, graph) @ w_eff
+            a_loop = self._edge_term(self.loop_edge_attr(ea, graph))
             a_edge = torch.cat([a_edge, a_loop], dim=0)
         return a_edge

@@ -22,6 +22,7 @@ Indices are validated here, never in the layer's kernels (see
 :func:`set_validation`); nothing here waits for the GPU unless node counts
 must be read from the indices or ``'sync'`` validation is asked for.
 """
+import contextlib
 import os
 import threading
 import weakref
@@ -70,6 +71,18 @@ def is_sparse_adj(adj) -> bool:
     if isinstance(adj, Tensor):
         return adj.layout in _SPARSE_LAYOUTS
     return _SparseTensor is not None and isinstance(adj, _SparseTensor)
+
+
+def _normal_tensors(like):
+    """Inside ``torch.inference_mode()``, a block that makes normal tensors
+    from the normal tensor ``like``: a graph prepared (and cached) there for
+    an ``edge_index`` made outside it must serve training calls later
+    (autograd cannot save inference tensors). Under ``torch.compile``
+    (which traces neither query) nothing is kept: no block."""
+    if (not _is_compiling() and torch.is_inference_mode_enabled()
+            and isinstance(like, Tensor) and not like.is_inference()):
+        return torch.inference_mode(False)
+    return contextlib.nullcontext()
 
 
 @dataclass(eq=False)
@@ -177,9 +190,10 @@ class PreparedGraph:
         # Each CSR position's row (the tail past rowptr[N]: N), scattered to
         # its augmented position; the added loops' slots are cut off.
         E, L = self.num_edges, self.num_loops
-        pos = torch.arange(E + L, device=self.rowptr.device)
-        fill = torch.empty_like(pos).scatter_(
-            0, self.csr_perm, self.dst_of(pos).clamp_(max=L))[:E]
+        with _normal_tensors(self.rowptr):
+            pos = torch.arange(E + L, device=self.rowptr.device)
+            fill = torch.empty_like(pos).scatter_(
+                0, self.csr_perm, self.dst_of(pos).clamp_(max=L))[:E]
         if not _is_compiling():
             self._fill_index = fill
         return fill
@@ -189,7 +203,8 @@ class PreparedGraph:
         if self._csc is not None:
             return self._csc
         build = _build_csc if _is_compiling() else _csc_of
-        csc = CSC(*build(self.rowptr, self.col, self.num_src))
+        with _normal_tensors(self.rowptr):
+            csc = CSC(*build(self.rowptr, self.col, self.num_src))
         # Kept only when built eagerly: a compiled graph's outputs may live
         # in memory that later replays (CUDA graphs) overwrite.
         if not _is_compiling():
@@ -625,8 +640,13 @@ def _build(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
 def _edge_index_meta(edge_index, num_src, num_dst):
     """Sizes, sort order and cached pointers of a ``torch_geometric.EdgeIndex``
     (what it knows without computing): (num_src, num_dst, sorted_by_dst,
-    dst_ptr, csc parts ``(colptr, perm)`` or None)."""
+    dst_ptr, csc parts ``(colptr, perm)`` or None). Node counts that
+    disagree with its sparse size raise, as PyG's layers do."""
     ns, nd = edge_index.sparse_size()
+    for want, got in ((num_src, ns), (num_dst, nd)):
+        if want is not None and got is not None and want != got:
+            raise ValueError(f'Encountered tensor with size {want} in '
+                             f'dimension 0, but expected size {got}.')
     num_src = ns if num_src is None else num_src
     num_dst = nd if num_dst is None else num_dst
     by_dst = edge_index.is_sorted_by_col
@@ -769,7 +789,11 @@ class _GraphCache:
     Writes that bypass the version counter are not seen: through
     ``edge_index.data``, through NumPy (``edge_index.numpy()``), or into a
     tensor made under ``torch.inference_mode()`` (cached by identity).
-    After such a write call :func:`clear_cache`, or pass a new tensor.
+    After such a write call :func:`clear_cache`, or pass a new tensor. (An
+    ``EdgeIndex`` is keyed on its data's counter too: writes through its
+    ``as_tensor()`` are seen.) Under ``torch.inference_mode()`` the graph
+    of an ordinary ``edge_index`` is built from ordinary tensors, so that
+    training calls can reuse it.
     """
     def __init__(self, max_size: int = 8):
         self.max_size = max_size
@@ -789,6 +813,9 @@ class _GraphCache:
             # identity alone (an in-place write to one is not seen).
             version = (None if edge_index.is_inference() else
                        edge_index._version)
+            if type(edge_index) is not Tensor and version is not None:
+                # an EdgeIndex's data (as_tensor()) has its own counter
+                version = (version, _plain(edge_index)._version)
             meta = (tuple(edge_index.shape), edge_index.dtype,
                     edge_index.layout, edge_index.device)
         else:  # torch_sparse.SparseTensor: immutable
@@ -801,7 +828,8 @@ class _GraphCache:
                 self._d.move_to_end(key)
                 self.hits += 1
                 return e.graph
-        graph = _prepare(edge_index, num_src, num_dst, add_self_loops)
+        with _normal_tensors(edge_index):
+            graph = _prepare(edge_index, num_src, num_dst, add_self_loops)
         try:
             ref = weakref.ref(edge_index, lambda r, k=key: self._drop(k, r))
         except TypeError:  # pragma: no cover (not weak-referenceable)

@@ -63,10 +63,10 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
     the queries, keys and values over the attention output and the keys and
     values, which only the layer holds (on CUDA it allocates none of them;
     with ``root_weight`` the skip term takes the attention output in place;
-    not with ``beta``). A second backward through the same graph
-    (``retain_graph=True``, ``gradcheck``) then raises; set
-    ``grads_in_place = False`` on the layer to allow it, at the cost of that
-    memory. Under ``torch.autocast``
+    not with ``beta``), when autograd frees the graph after that backward:
+    with ``retain_graph=True`` (or ``create_graph``, ``gradcheck``) it
+    allocates them, and a second backward works. ``grads_in_place = False``
+    turns it off. Under ``torch.autocast``
     the fused ops run in the autocast dtype (float32 accumulation).
     ``torch.compile(fullgraph=True)`` traces it.
 

@@ -87,6 +87,49 @@ def _install_python_autocast(name: str) -> None:
                   with_keyset=True)
 
 
+class _NoSecondDerivative(torch.autograd.Function):
+    """The gradients of a backward as they are under ``create_graph``: the
+    same tensors, with a ``grad_fn`` that raises. Its graph inputs are the
+    incoming gradients and the forward's saved tensors, so that
+    differentiating the gradients meets it on the way to the forward's
+    inputs (``NoSecondDerivative`` in ``csrc/ops/autograd.h``)."""
+
+    @staticmethod
+    def forward(ctx, name, n, *tensors):
+        ctx.name = name
+        return tensors[:n]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f'pyg_fastattn: {ctx.name} has no second derivative: '
+            'differentiating its gradient (create_graph=True: double '
+            'backward, gradient penalties) is not supported. Use the PyG '
+            'layer for higher-order gradients.')
+
+
+def once_differentiable(name: str, backward: Callable, ctx, *grads):
+    """``backward(ctx, *grads)`` as the C++ autograd kernels run it
+    (``once_differentiable`` in ``csrc/ops/autograd.h``): without grad mode,
+    then under ``create_graph`` its gradients through
+    :class:`_NoSecondDerivative`, so that a double backward raises a clear
+    error rather than giving a wrong number."""
+    with torch.no_grad():
+        out = backward(ctx, *grads)
+    if not torch.is_grad_enabled():
+        return out
+    outs = out if isinstance(out, tuple) else (out, )
+    defined = [t for t in outs if isinstance(t, Tensor)]
+    if not defined:
+        return out
+    inputs = [t for t in (*grads, *ctx.saved_tensors)
+              if isinstance(t, Tensor) and t.requires_grad]
+    wrapped = iter(_NoSecondDerivative.apply(name, len(defined), *defined,
+                                             *inputs))
+    res = tuple(next(wrapped) if isinstance(t, Tensor) else t for t in outs)
+    return res if isinstance(out, tuple) else res[0]
+
+
 def _register_autograd(name: str, backward: Callable,
                        setup_context: Callable) -> None:
     """The Autograd kernel that ``torch.library.register_autograd`` makes,
@@ -106,7 +149,7 @@ def _register_autograd(name: str, backward: Callable,
         return out
 
     def backward_(ctx, *grads):
-        grads_in = backward(ctx, *grads)
+        grads_in = once_differentiable(name, backward, ctx, *grads)
         return (*grads_in, None) if isinstance(grads_in, tuple) else (
             grads_in, None)
 

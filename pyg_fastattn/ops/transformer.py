@@ -3,6 +3,7 @@ aggregation, and its backward. Kernels: ``csrc/cpu/transformer_cpu.cpp``,
 ``csrc/cuda/``, or :func:`pyg_fastattn.reference.transformer_attention`."""
 from typing import Optional, Tuple
 
+import torch
 from torch import Tensor
 from torch.autograd.graph import increment_version
 
@@ -26,7 +27,8 @@ from .csr import CSC, maybe_csc
 # CUDA skips its long-row split path when no row needs it; results do not
 # change). grads_in_place: the caller holds no other reference to out, key
 # and value, so the backward may write grad_query, grad_key and grad_value
-# over them (transformer_attention_backward_; the kernels ignore it).
+# over them (transformer_attention_backward_, in a backward that frees the
+# graph; the kernels ignore it).
 _lib.define(
     'transformer_attention(Tensor rowptr, Tensor col, Tensor query, '
     'Tensor key, Tensor value, Tensor? edge_term, Tensor? mask, float scale, '
@@ -100,7 +102,6 @@ def _setup_context(ctx, inputs, output):
     ctx.scale = scale
     ctx.lengths = (max_row_len, max_col_len)
     ctx.in_place = grads_in_place
-    ctx.spent = False  # set once the backward has overwritten the buffers
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zeros for lse's gradient
 
@@ -123,17 +124,17 @@ def _may_overwrite(query, key, value, edge_term, out, grad_out) -> bool:
     return len(set(own)) == 3 and not set(own) & set(other)
 
 
+def _keep_graph() -> bool:
+    """Whether the running backward keeps the graph (retain_graph or
+    create_graph; True where torch cannot tell)."""
+    f = getattr(torch._C._autograd, '_get_current_graph_task_keep_graph',
+                None)
+    return True if f is None else bool(f())
+
+
 def _backward(ctx, grad_out, _grad_lse):
     if grad_out is None:
         return (None, ) * 14
-    if ctx.spent:
-        raise RuntimeError(
-            'transformer_attention: this graph was already backpropagated '
-            'through, and its backward wrote the gradients over the saved '
-            'out, key and value (grads_in_place=True, which '
-            'FastTransformerConv uses to save memory). To backward twice '
-            '(retain_graph=True), set `grads_in_place = False` on the layer '
-            '(or pass grads_in_place=False to the op).')
     (rowptr, col, query, key, value, edge_term, mask, out, lse,
      *csc) = ctx.saved_tensors
     need = ctx.needs_input_grad
@@ -143,10 +144,10 @@ def _backward(ctx, grad_out, _grad_lse):
     args = (rowptr, col, csc.colptr, csc.row, csc.perm, query, key, value,
             edge_term, mask, ctx.scale, out, lse, grad_out, need_edge,
             *ctx.lengths)
-    if ctx.in_place and _may_overwrite(query, key, value, edge_term, out,
-                                       grad_out):
+    # in place only when autograd frees the graph after this backward
+    if (ctx.in_place and not _keep_graph()
+            and _may_overwrite(query, key, value, edge_term, out, grad_out)):
         g_e = _lib.op('transformer_attention_backward_')(*args)
-        ctx.spent = True
         for t in (out, key, value):  # other saved views of them now fail
             increment_version(t)
         g_q, g_k, g_v = out, key, value
@@ -203,9 +204,9 @@ def transformer_attention(rowptr: Tensor, col: Tensor, query: Tensor,
             ``key`` and ``value`` over ``out``, ``key`` and ``value`` (on
             CUDA it then allocates none of them). Only for callers that hold
             no other reference to those three: they are garbage after the
-            backward, and a second backward through the same graph raises.
-            Ignored where they are not contiguous or share memory with
-            another input.
+            backward. Ignored where they are not contiguous or share memory
+            with another input, and in a backward that keeps the graph
+            (``retain_graph`` or ``create_graph``).
 
     Returns:
         ``out`` [N, H, C] in ``key``'s dtype (empty rows: 0), and with

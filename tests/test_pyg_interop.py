@@ -1,0 +1,273 @@
+"""The drop-ins inside the rest of PyG and PyTorch, as users combine them:
+explainers and message-passing hooks, lazy initialization, inference mode,
+modules wrapped around ``lin_edge``, EdgeIndex sizes, higher-order
+gradients, retain_graph, and autocast over a half-precision model."""
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch_geometric.nn import GATConv, GATv2Conv, TransformerConv
+
+from pyg_fastattn import FastGATConv, FastGATv2Conv, FastTransformerConv
+
+from conftest import DEVICES, REPO
+
+PAIRS = {'gat': (GATConv, FastGATConv), 'gatv2': (GATv2Conv, FastGATv2Conv),
+         'transformer': (TransformerConv, FastTransformerConv)}
+
+
+def _pair(name, *args, **kw):
+    """The PyG layer and its drop-in with the same weights, float64, eval."""
+    P, F = PAIRS[name]
+    p = P(*args, **kw).double().eval()
+    f = F(*args, **kw).double().eval()
+    f.load_state_dict(p.state_dict())
+    return p, f
+
+
+def _graph(N=10, E=30, F=5, device='cpu'):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(N, F, generator=g, dtype=torch.float64)
+    ei = torch.randint(0, N, (2, E), generator=g)
+    return x.to(device), ei.to(device)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_double_backward_raises(device, name):
+    """create_graph: first-order gradients as without it; differentiating
+    them raises (PyG's layers have second derivatives; ours must not return
+    a wrong one)."""
+    _, f = _pair(name, 5, 3, heads=2)
+    f = f.to(device)
+    x, ei = _graph(device=device)
+    x.requires_grad_()
+    out = f(x, ei)
+    plain, = torch.autograd.grad(out.pow(2).sum(), x, retain_graph=True)
+    g, = torch.autograd.grad(out.pow(2).sum(), x, create_graph=True)
+    assert torch.equal(g.detach(), plain)
+    with pytest.raises(RuntimeError, match='no second derivative'):
+        torch.autograd.grad(g.pow(2).sum(), x, allow_unused=True)
+    with pytest.raises(RuntimeError, match='no second derivative'):
+        torch.autograd.grad(g.pow(2).sum(), list(f.parameters()),
+                            allow_unused=True)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_retain_graph_with_defaults(device, name):
+    """Two backwards through one graph (retain_graph), with each layer's
+    default settings, give PyG's gradients twice."""
+    p, f = _pair(name, 5, 3, heads=2)
+    x, ei = _graph(device=device)
+    grads = []
+    for layer in (p, f):
+        layer.to(device)
+        xr = x.clone().requires_grad_()
+        loss = layer(xr, ei).pow(2).sum()
+        a, = torch.autograd.grad(loss, xr, retain_graph=True)
+        b, = torch.autograd.grad(loss, xr)
+        torch.testing.assert_close(a, b)
+        grads.append(a)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+_EXPLAIN_AFTER_PYG = """
+import torch
+from torch_geometric.explain.algorithm.utils import clear_masks, set_masks
+from torch_geometric.nn import GATConv, GATv2Conv, TransformerConv
+from pyg_fastattn import FastGATConv, FastGATv2Conv, FastTransformerConv
+torch.manual_seed(0)
+x, ei = torch.randn(10, 5), torch.randint(0, 10, (2, 30))
+for P, F in ((GATConv, FastGATConv), (GATv2Conv, FastGATv2Conv),
+             (TransformerConv, FastTransformerConv)):
+    p = P(5, 3, heads=2)        # PyG's layer first: the order users have
+    f = F(5, 3, heads=2)
+    f.load_state_dict(p.state_dict())
+    for layer in (p, f):
+        mask = torch.full((ei.size(1), ), -3.0, requires_grad=True)
+        set_masks(layer, mask, ei, apply_sigmoid=True)
+        layer(x, ei).sum().backward()
+        clear_masks(layer)
+        print(F.__name__, mask.grad is not None, float(layer(x, ei).sum()))
+"""
+
+
+def test_explain_mode_after_a_pyg_layer():
+    """Explain mode applies the edge mask even when a PyG layer of the same
+    family was built first in the process (its generated propagate must not
+    become the drop-in's). In a fresh process: class state decides it."""
+    r = subprocess.run([sys.executable, '-c', textwrap.dedent(
+        _EXPLAIN_AFTER_PYG)], cwd=str(REPO), capture_output=True, text=True,
+        timeout=600)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split('\n')
+    for name in ('FastGATConv', 'FastGATv2Conv', 'FastTransformerConv'):
+        rows = [ln.split() for ln in lines if ln.startswith(name + ' ')]
+        assert len(rows) == 2, r.stdout
+        assert rows[0][1] == rows[1][1] == 'True', r.stdout  # mask has grad
+        assert abs(float(rows[0][2]) - float(rows[1][2])) < 1e-4, r.stdout
+
+
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_message_passing_hooks_fire(name):
+    """PyG's message-passing hooks (AttentionExplainer reads alpha through
+    one) fire on the drop-in as on PyG's layer, with the same output."""
+    p, f = _pair(name, 5, 3, heads=2)
+    x, ei = _graph()
+    fired, outs = {}, {}
+    for tag, layer in (('pyg', p), ('fast', f)):
+        seen = fired[tag] = []
+        hooks = [layer.register_message_forward_hook(
+                     lambda m, i, o: seen.append('message')),
+                 layer.register_aggregate_forward_hook(
+                     lambda m, i, o: seen.append('aggregate')),
+                 layer.register_propagate_forward_pre_hook(
+                     lambda m, i: seen.append('propagate'))]
+        outs[tag] = layer(x, ei)
+        for h in hooks:
+            h.remove()
+    assert fired['fast'] == fired['pyg'] and fired['pyg'], fired
+    torch.testing.assert_close(outs['fast'], outs['pyg'])
+    assert not f._has_message_passing_hooks()
+
+
+def test_attention_explainer():
+    """PyG's AttentionExplainer on a model of drop-ins gives PyG's mask."""
+    from torch_geometric.explain import AttentionExplainer, Explainer
+    from pyg_fastattn import swap
+
+    class Net(torch.nn.Module):
+        def __init__(self, conv):
+            super().__init__()
+            self.c1, self.c2 = conv(5, 8, heads=2), conv(16, 3, heads=1)
+
+        def forward(self, x, edge_index):
+            return self.c2(self.c1(x, edge_index).relu(), edge_index)
+
+    x, ei = _graph()
+    x = x.float()
+    for P, _ in PAIRS.values():
+        torch.manual_seed(0)
+        pyg = Net(P).eval()
+        fast = swap(Net(P).eval())
+        fast.load_state_dict(pyg.state_dict())
+        masks = []
+        for model in (pyg, fast):
+            explainer = Explainer(
+                model, AttentionExplainer(), explanation_type='model',
+                edge_mask_type='object', model_config=dict(
+                    mode='multiclass_classification', task_level='node',
+                    return_type='raw'))
+            masks.append(explainer(x, ei, index=2).edge_mask)
+        torch.testing.assert_close(masks[1], masks[0])
+
+
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_lazy_layers_initialize_as_pyg(name):
+    """in_channels=-1 (and edge_dim=-1 for the transformer): the same seed
+    gives PyG's weights (the first call runs PyG's forward, which
+    initializes them in its order), and the calls after it are fused."""
+    P, F = PAIRS[name]
+    kw = dict(edge_dim=-1) if name == 'transformer' else {}
+    x, ei = _graph()
+    x = x.float()
+    ea = torch.randn(ei.size(1), 2) if kw else None
+    layers = []
+    for cls in (P, F):
+        torch.manual_seed(0)
+        layer = cls(-1, 3, heads=2, **kw).eval()
+        torch.manual_seed(1)
+        layer(x, ei, ea) if kw else layer(x, ei)
+        layers.append(layer)
+    p, f = layers
+    for (n, a), (_, b) in zip(p.state_dict().items(), f.state_dict().items()):
+        assert torch.equal(a, b), n
+    assert f._materialized()
+    torch.testing.assert_close(f(x, ei, ea) if kw else f(x, ei),
+                               p(x, ei, ea) if kw else p(x, ei))
+
+
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_inference_mode_first(name):
+    """A first call under torch.inference_mode() (an evaluation before
+    training) does not cache a graph that training cannot use."""
+    p, f = _pair(name, 5, 3, heads=2)
+    x, ei = _graph()
+    with torch.inference_mode():
+        f(x, ei)
+    f.train(), p.train()
+    f.dropout = p.dropout = 0.0
+    grads = []
+    for layer in (p, f):
+        xr = x.clone().requires_grad_()
+        layer(xr, ei).pow(2).sum().backward()
+        grads.append(xr.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_gat_lin_edge_is_called():
+    """FastGATConv calls a lin_edge that is not PyG's plain Linear (a
+    wrapper, a LoRA, a forward hook) instead of folding att_edge into its
+    weight; with the plain one it folds."""
+    x, ei = _graph()
+    ea = torch.randn(ei.size(1), 2, dtype=torch.float64)
+    p, f = _pair('gat', 5, 3, heads=2, edge_dim=2)
+    for layer in (p, f):
+        layer.lin_edge.register_forward_hook(lambda m, i, o: o * 3)
+    torch.testing.assert_close(f(x, ei, ea), p(x, ei, ea))
+    calls = []
+    f.lin_edge.register_forward_pre_hook(lambda m, i: calls.append(1))
+    f(x, ei, ea, return_attention_weights=True)
+    assert calls
+    del calls[:]
+    f(x, ei, ea)  # the fused path
+    assert calls
+
+
+def test_edge_index_sparse_size_checked():
+    """An EdgeIndex whose sparse size disagrees with x raises PyG's error;
+    a write into its as_tensor() is seen by the graph cache."""
+    from torch_geometric import EdgeIndex
+    x, ei = _graph(N=6, E=14)
+    for name in PAIRS:
+        p, f = _pair(name, 5, 3, heads=2)
+        for sort in (None, 'col'):
+            e = EdgeIndex(ei, sparse_size=(8, 8))
+            if sort:
+                e = e.sort_by(sort)[0]
+            for layer in (p, f):
+                with pytest.raises(ValueError, match='expected size 8'):
+                    layer(x, e)
+        e = EdgeIndex(ei.clone(), sparse_size=(6, 6))
+        f(x, e)
+        e.as_tensor()[1, 0] = (e.as_tensor()[1, 0] + 1) % 6
+        torch.testing.assert_close(f(x, e), p(x, e.as_tensor()))
+
+
+def test_three_dim_edge_attr():
+    """edge_attr [E, 1, D], which PyG's layers take as [E, D]."""
+    x, ei = _graph()
+    ea = torch.randn(ei.size(1), 1, 2, dtype=torch.float64)
+    for name in PAIRS:
+        p, f = _pair(name, 5, 3, heads=2, edge_dim=2)
+        torch.testing.assert_close(f(x, ei, ea), p(x, ei, ea))
+
+
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_half_model_under_cpu_bfloat16_autocast(name):
+    """A float16 model under CPU bfloat16 autocast runs as PyG's does (the
+    projections' concatenation is not autocast's to cast)."""
+    P, F = PAIRS[name]
+    p, f = P(5, 3, heads=2).eval(), F(5, 3, heads=2).eval()
+    f.load_state_dict(p.state_dict())
+    x, ei = _graph()
+    outs = []
+    for layer in (p, f):
+        layer.half()
+        with torch.autocast('cpu', dtype=torch.bfloat16):
+            outs.append(layer(x.half(), ei))
+    torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=5e-2,
+                               rtol=5e-2)
