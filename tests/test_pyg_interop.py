@@ -271,3 +271,20 @@ def test_half_model_under_cpu_bfloat16_autocast(name):
             outs.append(layer(x.half(), ei))
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=5e-2,
                                rtol=5e-2)
+
+
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_vmap_then_backward(name):
+    """vmap over a batch of node features (PyTorch's per-sample fallback),
+    then backward: PyG's gradients (the transformer's in-place backward is
+    off under torch.func transforms)."""
+    from torch.func import vmap
+    p, f = _pair(name, 5, 3, heads=2)
+    x, ei = _graph()
+    X = torch.stack([x, 2 * x, -x])
+    grads = []
+    for layer in (p, f):
+        xr = X.clone().requires_grad_()
+        vmap(lambda xx: layer(xx, ei))(xr).pow(2).sum().backward()
+        grads.append(xr.grad)
+    torch.testing.assert_close(grads[1], grads[0])

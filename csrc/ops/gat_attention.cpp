@@ -370,8 +370,7 @@ class GATAttentionFunction
     ctx->saved_data["slope"] = slope;
     ctx->saved_data["dst_is_src"] = dst_is_src;
     ctx->saved_data["edge"] = edge;
-    save_attention_state(ctx, lse, max_row_len, max_col_len);
-    ctx->mark_non_differentiable({lse, h, a_src, a_dst});
+    save_attention_state(ctx, max_row_len, max_col_len);
     return {out, lse, h, a_src, a_dst};
   }
 
@@ -414,7 +413,7 @@ Outputs5 gat_attention_autograd(
                                        h_dst, att_dst, a_edge, mask, bias,
                                        slope, dst_is_src, max_row_len,
                                        max_col_len);
-  return {r[0], r[1], r[2], r[3], r[4]};
+  return {r[0], r[1].detach(), r[2].detach(), r[3].detach(), r[4].detach()};
 }
 
 }  // namespace
