@@ -93,7 +93,12 @@ at::Tensor score_weight_grad(const at::Tensor& P, int64_t H, int64_t C,
       .unsqueeze(0);
 }
 
-at::Tensor flat(const at::Tensor& h) { return h.reshape({h.size(0), -1}); }
+// [N, ...] as [N, prod(...)] (N may be 0).
+at::Tensor flat(const at::Tensor& h) {
+  int64_t width = 1;
+  for (int64_t d = 1; d < h.dim(); ++d) width *= h.size(d);
+  return h.reshape({h.size(0), width});
+}
 
 // Whether the score terms of both sides of h [N, H, C] go through the small
 // graph kernels of gat_score.cu (one launch each way) instead of the
@@ -111,10 +116,12 @@ bool score_kernel(const at::Tensor& h, const at::Tensor& att_src,
 #endif
 }
 
+// "None" among tensor outputs: 1-D and empty (a real a_dst is [N, H], and
+// N may be 0).
 at::Tensor none_like(const at::Tensor& ref) { return at::empty({0}, ref.options()); }
 
 OptTensor opt(const at::Tensor& t) {
-  return t.defined() && t.numel() > 0 ? OptTensor(t) : c10::nullopt;
+  return t.defined() && t.dim() > 1 ? OptTensor(t) : c10::nullopt;
 }
 
 void check_gat(const OptTensor& x, const OptTensor& weight,
