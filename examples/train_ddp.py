@@ -72,7 +72,9 @@ def main(argv=None, hard_exit=False):
         dist.destroy_process_group()
         return 2
     data = data.to(device)
-    graph = prepare(data.edge_index, num_nodes=data.num_nodes)
+    # the fast layers take the graph prepared once; PyG's, the edge_index
+    graph = (prepare(data.edge_index, num_nodes=data.num_nodes)
+             if args.layer == 'fast' else data.edge_index)
     train_idx = data.train_mask.nonzero().view(-1)
     idx = shard(train_idx, rank, world)
 

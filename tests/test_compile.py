@@ -260,6 +260,81 @@ def test_inductor_training_matches_eager(backend, device, prepared):
         torch.testing.assert_close(losses[1], losses[0], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize('device', DEVICES)
+def test_compiled_graph_checks_indices(device):
+    """A graph prepared inside a compiled graph is checked there (a
+    device-side assertion; on CPU it raises at once), unless validation is
+    'off'; in range, the compiled layer equals eager."""
+    from pyg_fastattn.nn.graph import get_validation, set_validation
+    torch._dynamo.reset()
+    conv = FastGATConv(12, 4, heads=2).to(device).eval()
+    x, ei, _ = _graph(device)
+    compiled = torch.compile(conv, fullgraph=True)
+    torch.testing.assert_close(compiled(x, ei), conv(x, ei))
+    if device == 'cuda':  # a failed device assertion ends the CUDA context
+        return
+    bad = ei.clone()
+    bad[0, 5] = x.size(0)
+    with pytest.raises(RuntimeError, match='out of range'):
+        compiled(x, bad)
+    mode = get_validation()
+    try:
+        set_validation('off')
+        torch._dynamo.reset()
+        torch.compile(conv, fullgraph=True)(x, bad)  # no check, no crash
+    finally:
+        set_validation(mode)
+
+
+def test_export_dynamic_sizes():
+    """torch.export with unbounded Dim node and edge counts (int64 indices
+    in the exported graph build) runs on graphs of other sizes, more nodes
+    than edges included, with the eager layer's outputs."""
+    from torch.export import Dim, export
+
+    class Two(torch.nn.Module):
+        def __init__(self, conv, **kw):
+            super().__init__()
+            self.c1, self.c2 = conv(12, 4, heads=2, **kw), conv(8, 3, **kw)
+
+        def forward(self, x, edge_index):
+            return self.c2(self.c1(x, edge_index).relu(), edge_index)
+
+    from pyg_fastattn import FastTransformerConv
+    x, ei, _ = _graph('cpu')
+    dims = ({0: Dim('N')}, {1: Dim('E')})
+    for model in (Two(FastGATConv).eval(),
+                  Two(FastTransformerConv, root_weight=False).eval()):
+        ep = export(model, (x, ei), dynamic_shapes=dims)
+        for N, E in ((60, 400), (50, 17), (9, 3)):
+            g = torch.Generator().manual_seed(N)
+            x2 = torch.randn(N, 12, generator=g)
+            ei2 = torch.randint(0, N, (2, E), generator=g)
+            torch.testing.assert_close(ep.module()(x2, ei2), model(x2, ei2))
+
+
+def test_compiled_autograd_after_eager_forward():
+    """A backward compiled with compiled autograd, after an eager forward
+    (the C++ autograd nodes mark no output non-differentiable: compiled
+    autograd rejects those)."""
+    import torch._dynamo.config as dynamo_config
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x, ei, ea = _graph('cpu')
+    model = Net().eval()
+    loss = model(x, ei, ea).pow(2).sum()
+    want = torch.autograd.grad(loss, list(model.parameters()),
+                               retain_graph=True)
+    dynamo_config.compiled_autograd = True
+    try:
+        torch.compile(lambda l: l.backward())(loss)
+    finally:
+        dynamo_config.compiled_autograd = False
+        torch._dynamo.reset()
+    for p, w in zip(model.parameters(), want):
+        torch.testing.assert_close(p.grad, w)
+
+
 # autocast ###################################################################
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from conftest import REPO, load_example
 
 
-@pytest.mark.parametrize('layer', ['fast'])
+@pytest.mark.parametrize('layer', ['fast', 'pyg'])
 def test_ddp_gradients_equal_single_process(tmp_path, layer):
     out = tmp_path / 'grads.pt'
     env = dict(os.environ, OMP_NUM_THREADS='1')

@@ -271,3 +271,51 @@ def test_half_model_under_cpu_bfloat16_autocast(name):
             outs.append(layer(x.half(), ei))
     torch.testing.assert_close(outs[1].float(), outs[0].float(), atol=5e-2,
                                rtol=5e-2)
+
+
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_vmap_then_backward(name):
+    """vmap over a batch of node features (PyTorch's per-sample fallback),
+    then backward: PyG's gradients (the transformer's in-place backward is
+    off under torch.func transforms)."""
+    from torch.func import vmap
+    p, f = _pair(name, 5, 3, heads=2)
+    x, ei = _graph()
+    X = torch.stack([x, 2 * x, -x])
+    grads = []
+    for layer in (p, f):
+        xr = X.clone().requires_grad_()
+        vmap(lambda xx: layer(xx, ei))(xr).pow(2).sum().backward()
+        grads.append(xr.grad)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_empty_node_sets(device, name):
+    """No nodes at all, no destinations, no sources (a node type that a
+    heterogeneous mini-batch did not sample): PyG's empty outputs and
+    gradients, forward and backward."""
+    P, F = PAIRS[name]
+    ei = torch.empty(2, 0, dtype=torch.long, device=device)
+    loops = {} if name == 'transformer' else dict(add_self_loops=False)
+    cases = [(5, (0, 5)), ((5, 5), (5, 0)), ((5, 5), (0, 5))]
+    for in_channels, (ns, nd) in cases:
+        kw = loops if isinstance(in_channels, tuple) else {}
+        torch.manual_seed(0)
+        p = P(in_channels, 3, heads=2, **kw).to(device)
+        f = F(in_channels, 3, heads=2, **kw).to(device)
+        f.load_state_dict(p.state_dict())
+        res, x0 = [], (torch.randn(ns, 5, device=device),
+                       torch.randn(nd, 5, device=device))
+        for layer in (p, f):
+            xs, xd = (t.clone().requires_grad_() for t in x0)
+            x = xs if not isinstance(in_channels, tuple) else (xs, xd)
+            out = layer(x, ei)
+            (out.sum() + sum(q.sum() for q in layer.parameters())).backward()
+            res.append([out, xs.grad] + [q.grad for q in layer.parameters()])
+        for a, b in zip(*res):  # (a None gradient is a zero one)
+            if a is None or b is None:
+                assert all(t is None or not t.any() for t in (a, b))
+            else:
+                torch.testing.assert_close(b, a)

@@ -69,13 +69,13 @@ std::array<bool, K> needed_grads(torch::autograd::AutogradContext* ctx) {
 }
 
 // What the attention ops' forward keeps besides tensors: the length hints
-// for the backward; lse gets no gradient, and none is materialized for it.
+// for the backward; no gradient is materialized for the outputs besides
+// out. (Those outputs leave the autograd kernel detached rather than marked
+// non-differentiable: compiled autograd rejects nodes with marked outputs.)
 inline void save_attention_state(torch::autograd::AutogradContext* ctx,
-                                 const at::Tensor& lse, int64_t max_row_len,
-                                 int64_t max_col_len) {
+                                 int64_t max_row_len, int64_t max_col_len) {
   ctx->saved_data["max_row_len"] = max_row_len;
   ctx->saved_data["max_col_len"] = max_col_len;
-  ctx->mark_non_differentiable({lse});
   ctx->set_materialize_grads(false);
 }
 

@@ -93,7 +93,12 @@ at::Tensor score_weight_grad(const at::Tensor& P, int64_t H, int64_t C,
       .unsqueeze(0);
 }
 
-at::Tensor flat(const at::Tensor& h) { return h.reshape({h.size(0), -1}); }
+// [N, ...] as [N, prod(...)] (N may be 0).
+at::Tensor flat(const at::Tensor& h) {
+  int64_t width = 1;
+  for (int64_t d = 1; d < h.dim(); ++d) width *= h.size(d);
+  return h.reshape({h.size(0), width});
+}
 
 // Whether the score terms of both sides of h [N, H, C] go through the small
 // graph kernels of gat_score.cu (one launch each way) instead of the
@@ -111,10 +116,12 @@ bool score_kernel(const at::Tensor& h, const at::Tensor& att_src,
 #endif
 }
 
+// "None" among tensor outputs: 1-D and empty (a real a_dst is [N, H], and
+// N may be 0).
 at::Tensor none_like(const at::Tensor& ref) { return at::empty({0}, ref.options()); }
 
 OptTensor opt(const at::Tensor& t) {
-  return t.defined() && t.numel() > 0 ? OptTensor(t) : c10::nullopt;
+  return t.defined() && t.dim() > 1 ? OptTensor(t) : c10::nullopt;
 }
 
 void check_gat(const OptTensor& x, const OptTensor& weight,
@@ -370,8 +377,7 @@ class GATAttentionFunction
     ctx->saved_data["slope"] = slope;
     ctx->saved_data["dst_is_src"] = dst_is_src;
     ctx->saved_data["edge"] = edge;
-    save_attention_state(ctx, lse, max_row_len, max_col_len);
-    ctx->mark_non_differentiable({lse, h, a_src, a_dst});
+    save_attention_state(ctx, max_row_len, max_col_len);
     return {out, lse, h, a_src, a_dst};
   }
 
@@ -414,7 +420,7 @@ Outputs5 gat_attention_autograd(
                                        h_dst, att_dst, a_edge, mask, bias,
                                        slope, dst_is_src, max_row_len,
                                        max_col_len);
-  return {r[0], r[1], r[2], r[3], r[4]};
+  return {r[0], r[1].detach(), r[2].detach(), r[3].detach(), r[4].detach()};
 }
 
 }  // namespace

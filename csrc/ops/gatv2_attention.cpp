@@ -144,7 +144,7 @@ class GATv2AttentionFunction
                             val(csc_row), val(csc_perm)});
     ctx->saved_data["slope"] = slope;
     ctx->saved_data["edge"] = edge;
-    save_attention_state(ctx, lse, max_row_len, max_col_len);
+    save_attention_state(ctx, max_row_len, max_col_len);
     return {out, lse};
   }
 
@@ -205,7 +205,7 @@ Outputs2 gatv2_attention_autograd(
                                          att, mask, slope, bias, colptr,
                                          csc_row, csc_perm, max_row_len,
                                          max_col_len);
-  return {r[0], r[1]};
+  return {r[0], r[1].detach()};
 }
 
 }  // namespace

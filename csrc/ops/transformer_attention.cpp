@@ -165,7 +165,7 @@ class TransformerAttentionFunction
     // after rowptr, col, query, key and value.
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["in_place"] = grads_in_place;
-    save_attention_state(ctx, lse, max_row_len, max_col_len);
+    save_attention_state(ctx, max_row_len, max_col_len);
     return {out, lse};
   }
 
@@ -231,7 +231,7 @@ Outputs2 transformer_attention_autograd(
   auto r = TransformerAttentionFunction::apply(
       rowptr, col, query, key, value, edge_term, mask, scale, colptr, csc_row,
       csc_perm, max_row_len, max_col_len, grads_in_place);
-  return {r[0], r[1]};
+  return {r[0], r[1].detach()};
 }
 
 }  // namespace

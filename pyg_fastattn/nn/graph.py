@@ -297,6 +297,10 @@ def set_validation(mode: str) -> None:
     * ``'off'``: no check. Kernels clamp every index they read, so bad input
       gives wrong numbers, never out-of-bounds memory access.
 
+    Under ``torch.compile`` (and ``torch.export``) every mode but ``'off'``
+    checks with the assertion, which the compiled graph runs on each call
+    (on CPU it raises a ``RuntimeError`` at once).
+
     A claimed sort order (``sorted=True``, an ``EdgeIndex``'s) is checked
     with the ranges.
     """
@@ -324,6 +328,8 @@ def _validation_mode(validate, device: torch.device) -> str:
                              f'{_VALIDATION_MODES}, got {mode!r}')
     if mode == 'auto':
         mode = 'async' if device.type == 'cuda' else 'sync'
+    if _is_compiling():  # traced: a runtime assertion, never a host sync
+        return 'off' if mode == 'off' else 'async'
     if mode == 'async' and device.type == 'cpu':
         mode = 'sync'  # the same check, and nothing to wait for
     return mode
@@ -442,8 +448,18 @@ def _sparse_edges(adj, add_self_loops: bool):
 
 
 def _index_dtype(num_aug, num_src, num_dst) -> torch.dtype:
-    big = max(num_aug, num_src, num_dst) >= 2**31 - 1
-    return torch.int64 if big else torch.int32
+    """int32 below 2^31 - 1 edges and nodes, else int64. Symbolic sizes
+    are compared one by one with the limit (no guard that relates them);
+    while exporting they get no guard at all: int64 unless their bounds
+    keep them below the limit."""
+    lim = 2**31 - 1
+    sizes = (num_aug, num_src, num_dst)
+    if (not all(isinstance(n, int) for n in sizes)
+            and torch.compiler.is_exporting()):
+        from torch.fx.experimental.symbolic_shapes import statically_known_true
+        small = all(statically_known_true(n < lim) for n in sizes)
+        return torch.int32 if small else torch.int64
+    return torch.int64 if any(n >= lim for n in sizes) else torch.int32
 
 
 def _ptr_of_sorted(index: Tensor, n: int, dtype: torch.dtype) -> Tensor:
@@ -585,18 +601,24 @@ def _csc_of(rowptr: Tensor, col: Tensor, num_src: int
 @torch.library.custom_op('pyg_fastattn::build_csr', mutates_args=())
 def _build_csr(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
                add_self_loops: bool, is_sorted: bool,
-               dst_ptr: Optional[Tensor]
+               dst_ptr: Optional[Tensor], index64: bool = False
                ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """:func:`_csr_of` as one op."""
-    return _csr_of(src, dst, num_src, num_dst, add_self_loops, is_sorted,
-                   dst_ptr)
+    """:func:`_csr_of` as one op; ``index64``: int64 rowptr and col
+    whatever the size (an exported program's choice for sizes it cannot
+    bound)."""
+    parts = _csr_of(src, dst, num_src, num_dst, add_self_loops, is_sorted,
+                    dst_ptr)
+    if index64:
+        parts = (parts[0].long(), parts[1].long(), parts[2], parts[3])
+    return parts
 
 
 @_build_csr.register_fake
-def _(src, dst, num_src, num_dst, add_self_loops, is_sorted, dst_ptr):
+def _(src, dst, num_src, num_dst, add_self_loops, is_sorted, dst_ptr,
+      index64=False):
     E = src.shape[0]
     L = min(num_src, num_dst) if add_self_loops else 0
-    idx = _index_dtype(E + L, num_src, num_dst)
+    idx = torch.int64 if index64 else _index_dtype(E + L, num_src, num_dst)
     new = lambda n, dt: src.new_empty((n, ), dtype=dt)  # noqa: E731
     return (new(num_dst + 1, idx), new(E + L, idx), new(E + L, torch.int64),
             new(E + L, torch.bool))
@@ -625,8 +647,11 @@ def _build(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
     no host sync unless ``mode`` is 'sync'."""
     if _is_compiling():
         _validate(src, dst, num_src, num_dst, is_sorted, mode)
+        L = min(num_src, num_dst) if add_self_loops else 0
+        index64 = _index_dtype(src.shape[0] + L, num_src,
+                               num_dst) == torch.int64
         parts = _build_csr(src, dst, num_src, num_dst, add_self_loops,
-                           is_sorted, dst_ptr)
+                           is_sorted, dst_ptr, index64)
     else:
         parts = _csr_of(src, dst, num_src, num_dst, add_self_loops,
                         is_sorted, dst_ptr, mode)
@@ -709,6 +734,11 @@ def _prepare(edge_index, num_src: Optional[int], num_dst: Optional[int],
     src, dst = edge_index[0], edge_index[1]
     mode = _validation_mode(validate, src.device)
     if num_src is None or num_dst is None:
+        if _is_compiling():
+            raise ValueError(
+                'under torch.compile, pass the node counts (prepare(..., '
+                'num_nodes=) or size=): reading them from the indices needs '
+                'a host sync')
         num_src, num_dst = _infer_sizes(src, dst, num_src, num_dst)
         if mode == 'async':
             mode = 'sync'  # synchronized already: name the error
@@ -872,8 +902,9 @@ def set_cache_size(max_size: int) -> None:
 
 def get_graph(edge_index, num_src: Optional[int], num_dst: Optional[int],
               add_self_loops: bool) -> PreparedGraph:
-    """The prepared graph for a layer call: cached eagerly; built inline,
-    unvalidated and uncached while ``torch.compile`` traces."""
+    """The prepared graph for a layer call: cached eagerly; built inline and
+    uncached while ``torch.compile`` traces (validated by a device-side
+    assertion in the compiled graph unless validation is ``'off'``)."""
     if _is_compiling():
-        return _prepare(edge_index, num_src, num_dst, add_self_loops, 'off')
+        return _prepare(edge_index, num_src, num_dst, add_self_loops)
     return _cache.get(edge_index, num_src, num_dst, add_self_loops)

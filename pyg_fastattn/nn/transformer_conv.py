@@ -102,11 +102,14 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
                              "'edge_dim' (as in TransformerConv)")
         # Only this op holds out (the skip term or the mean makes the
         # output a new tensor; beta's Mul would save it) and key and value
-        # (fresh outputs of its own plain Linears).
+        # (fresh outputs of its own plain Linears). Not under torch.func
+        # transforms: vmap runs the op on slices of shared buffers.
         compiling = _is_compiling()
         in_place = (self.grads_in_place and not compiling
                     and (self.root_weight or not self.concat)
-                    and self.lin_beta is None and fresh[0])
+                    and self.lin_beta is None and fresh[0]
+                    and not torch._C._functorch.is_functorch_wrapped_tensor(
+                        key))
         out, weights = self.fused_propagate(
             graph, value, (key, in_place), query, edge_attr, edge_index,
             isinstance(return_attention_weights, bool),
