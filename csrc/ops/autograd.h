@@ -138,4 +138,16 @@ torch::autograd::variable_list once_differentiable(
   return grads;
 }
 
+// The ops' autograd functions: T::forward, and T::gradients(ctx, grads) as
+// the backward, run by once_differentiable (T::kName names the op).
+template <class T>
+struct OnceDifferentiableFunction : public torch::autograd::Function<T> {
+  static torch::autograd::variable_list backward(
+      torch::autograd::AutogradContext* ctx,
+      torch::autograd::variable_list grads) {
+    return once_differentiable(T::kName, ctx, grads,
+                               [&] { return T::gradients(ctx, grads); });
+  }
+};
+
 }  // namespace pyg_fastattn

@@ -342,8 +342,10 @@ constexpr std::array<int, 8> kGradArgs = {6, 7, 8, 9, 10, 11, 12, 14};
 constexpr int kNumArgs = 19;
 
 class GATAttentionFunction
-    : public torch::autograd::Function<GATAttentionFunction> {
+    : public OnceDifferentiableFunction<GATAttentionFunction> {
  public:
+  static constexpr const char* kName = "gat_attention";
+
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const at::Tensor& rowptr,
       const at::Tensor& col, const at::Tensor& colptr,
@@ -381,14 +383,6 @@ class GATAttentionFunction
     return {out, lse, h, a_src, a_dst};
   }
 
-  static torch::autograd::variable_list backward(
-      torch::autograd::AutogradContext* ctx,
-      torch::autograd::variable_list grads) {
-    return once_differentiable("gat_attention", ctx, grads,
-                               [&] { return gradients(ctx, grads); });
-  }
-
- private:
   static torch::autograd::variable_list gradients(
       torch::autograd::AutogradContext* ctx,
       const torch::autograd::variable_list& grads) {

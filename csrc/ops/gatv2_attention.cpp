@@ -115,8 +115,10 @@ constexpr std::array<int, 5> kGradArgs = {2, 3, 4, 5, 8};
 constexpr int kNumArgs = 14;
 
 class GATv2AttentionFunction
-    : public torch::autograd::Function<GATv2AttentionFunction> {
+    : public OnceDifferentiableFunction<GATv2AttentionFunction> {
  public:
+  static constexpr const char* kName = "gatv2_attention";
+
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const at::Tensor& rowptr,
       const at::Tensor& col, const at::Tensor& x_l, const at::Tensor& x_r,
@@ -148,14 +150,6 @@ class GATv2AttentionFunction
     return {out, lse};
   }
 
-  static torch::autograd::variable_list backward(
-      torch::autograd::AutogradContext* ctx,
-      torch::autograd::variable_list grads) {
-    return once_differentiable("gatv2_attention", ctx, grads,
-                               [&] { return gradients(ctx, grads); });
-  }
-
- private:
   static torch::autograd::variable_list gradients(
       torch::autograd::AutogradContext* ctx,
       const torch::autograd::variable_list& grads) {

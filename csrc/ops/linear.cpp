@@ -86,8 +86,11 @@ std::vector<at::Tensor> call_linear_backward(const at::Tensor& grad_out,
   return op.call(grad_out, x, weight, output_mask);
 }
 
-class LinearFunction : public torch::autograd::Function<LinearFunction> {
+class LinearFunction
+    : public OnceDifferentiableFunction<LinearFunction> {
  public:
+  static constexpr const char* kName = "linear";
+
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const at::Tensor& x,
       const at::Tensor& weight, const OptTensor& bias) {
@@ -101,14 +104,6 @@ class LinearFunction : public torch::autograd::Function<LinearFunction> {
     return {y};
   }
 
-  static torch::autograd::variable_list backward(
-      torch::autograd::AutogradContext* ctx,
-      torch::autograd::variable_list grads) {
-    return once_differentiable("linear", ctx, grads,
-                               [&] { return gradients(ctx, grads); });
-  }
-
- private:
   static torch::autograd::variable_list gradients(
       torch::autograd::AutogradContext* ctx,
       const torch::autograd::variable_list& grads) {

@@ -140,8 +140,10 @@ constexpr std::array<int, 4> kGradArgs = {2, 3, 4, 5};
 constexpr int kNumArgs = 14;
 
 class TransformerAttentionFunction
-    : public torch::autograd::Function<TransformerAttentionFunction> {
+    : public OnceDifferentiableFunction<TransformerAttentionFunction> {
  public:
+  static constexpr const char* kName = "transformer_attention";
+
   static torch::autograd::variable_list forward(
       torch::autograd::AutogradContext* ctx, const at::Tensor& rowptr,
       const at::Tensor& col, const at::Tensor& query, const at::Tensor& key,
@@ -169,14 +171,6 @@ class TransformerAttentionFunction
     return {out, lse};
   }
 
-  static torch::autograd::variable_list backward(
-      torch::autograd::AutogradContext* ctx,
-      torch::autograd::variable_list grads) {
-    return once_differentiable("transformer_attention", ctx, grads,
-                               [&] { return gradients(ctx, grads); });
-  }
-
- private:
   static torch::autograd::variable_list gradients(
       torch::autograd::AutogradContext* ctx,
       const torch::autograd::variable_list& grads) {
