@@ -57,9 +57,10 @@ def test_async_gathers(monkeypatch, dtype, H, C, idx, split, terms):
     N, E = rowptr.numel() - 1, col.numel()
     csc = ops.csr_to_csc(rowptr, col, Ns, validate=False)
     if terms:  # garbage indices, which the kernels must skip
-        col[[3, 7, E - 1]] = torch.tensor([Ns + 3, -1, Ns], dtype=idx)
-        csc[1][[4, E - 2]] = torch.tensor([N + 5, -1], dtype=idx)
-        csc[2][[9, E - 3]] = torch.tensor([E + 2, -4], dtype=idx)
+        t = lambda v: torch.tensor(v, dtype=idx, device=col.device)  # noqa
+        col[[3, 7, E - 1]] = t([Ns + 3, -1, Ns])
+        csc[1][[4, E - 2]] = t([N + 5, -1])
+        csc[2][[9, E - 3]] = t([E + 2, -4])
 
     def rnd(*shape, grad=True):
         t = torch.randn(*shape, device='cuda', generator=g).to(dtype)
