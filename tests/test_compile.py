@@ -140,7 +140,11 @@ def test_no_second_derivative(backend, device):
                                     allow_unused=True)
         for a, b in zip(plain, grads):
             assert (a is None) == (b is None), name
-            if a is not None:
+            if a is None:
+                continue
+            if backend == 'reference' and device == 'cuda':  # atomics
+                torch.testing.assert_close(b.detach(), a, msg=name)
+            else:
                 assert torch.equal(a, b.detach()), name
         second = sum(g.pow(2).sum() for g in grads if g is not None)
         with pytest.raises(RuntimeError, match=f'{name} has no second deriv'):
