@@ -129,7 +129,7 @@ constexpr int kAttnBwdBlocksLeanBf16 = 4;
 // softmax_aggregate's). PYG_FASTATTN_OWNER_LANES=0 / 1 (tests, A/B runs)
 // turns them off / on everywhere; read at every launch.
 constexpr bool kOwnerLanesFwd = true;
-constexpr bool kOwnerLanesBwdFp32 = true;
+constexpr bool kOwnerLanesBwdFp32 = false;
 constexpr bool kOwnerLanesBwdOther = false;
 
 // An A/B switch: the environment variable `name` set to 0 / 1 overrides
