@@ -7,6 +7,7 @@ attention dropout, the dtype/autocast policy, the call into the fused
 softmax + aggregation kernels and ``return_attention_weights``.
 """
 import contextlib
+import math
 from dataclasses import dataclass
 from typing import List, Optional, Tuple
 
@@ -368,7 +369,7 @@ class FusedAttentionConv(MessagePassing):
         """``edge_attr`` as [E, D] (a 1-D one becomes [E, 1], an [E, 1, ...,
         D] one [E, D], as PyG's layers take them), checked."""
         ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
-        if ea.dim() > 2 and ea[0].numel() == ea.size(-1):
+        if ea.dim() > 2 and math.prod(ea.shape[1:-1]) == 1:
             ea = ea.reshape(ea.size(0), ea.size(-1))
         if ea.size(0) != graph.num_edges:
             raise ValueError(f'`edge_attr` must have one row per edge '

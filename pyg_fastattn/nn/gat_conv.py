@@ -1,5 +1,5 @@
 """``FastGATConv``: PyG's ``GATConv`` on the fused attention kernel."""
-from typing import Optional, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -74,7 +74,7 @@ class FastGATConv(FusedAttentionConv, GATConv):
         node terms itself."""
         a_edge = None
         if edge_attr is not None and self.lin_edge is not None:
-            a_edge = self.per_edge_cast(self._edge_term(edge_attr),
+            a_edge = self.per_edge_cast(self._edge_terms(edge_attr)[0],
                                         x_src.dtype, x_src.device)
         return AdditiveScore(
             (x_src * self.att_src).sum(dim=-1),  # [Ns, H]
@@ -177,19 +177,21 @@ class FastGATConv(FusedAttentionConv, GATConv):
         return (not want_weights and plain_linear(self.lin, x)
                 and self.lin.bias is None)
 
-    def _edge_term(self, edge_attr: Tensor) -> Tensor:
-        """``<lin_edge(edge_attr), att_edge>`` per head: [E, H]. For PyG's
-        plain ``Linear`` (:func:`plain_linear`) ``att_edge`` is folded into
-        its weight (``W_eff`` [D, H]): nothing of size [E, H * C]; any
-        other module (LoRA, hooks) is called."""
-        self.materialize(self.lin_edge, edge_attr)
+    def _edge_terms(self, *edge_attrs: Tensor) -> List[Tensor]:
+        """``<lin_edge(ea), att_edge>`` per head, [E_k, H], for each ``ea``
+        [E_k, D]. For PyG's plain ``Linear`` (:func:`plain_linear`)
+        ``att_edge`` is folded into its weight once (``W_eff`` [D, H]):
+        nothing of size [E, H * C]; any other module (LoRA, hooks) is
+        called."""
+        first = edge_attrs[0]
+        self.materialize(self.lin_edge, first)
         H, C = self.heads, self.out_channels
-        if plain_linear(self.lin_edge, edge_attr):
+        if plain_linear(self.lin_edge, first):
             w = self.lin_edge.weight.view(H, C, -1)
             w_eff = (w * self.att_edge.view(H, C, 1)).sum(dim=1).t()
-            return edge_attr @ w_eff
-        return (self.lin_edge(edge_attr).view(-1, H, C)
-                * self.att_edge).sum(dim=-1)
+            return [ea @ w_eff for ea in edge_attrs]
+        return [(self.lin_edge(ea).view(-1, H, C) * self.att_edge).sum(dim=-1)
+                for ea in edge_attrs]
 
     def _edge_scores(self, edge_attr: Optional[Tensor],
                      graph: PreparedGraph) -> Optional[Tensor]:
@@ -197,8 +199,7 @@ class FastGATConv(FusedAttentionConv, GATConv):
         if edge_attr is None or self.lin_edge is None or graph.num_aug == 0:
             return None
         ea = self.check_edge_attr(edge_attr, graph)
-        a_edge = self._edge_term(ea)
-        if graph.num_loops > 0:
-            a_loop = self._edge_term(self.loop_edge_attr(ea, graph))
-            a_edge = torch.cat([a_edge, a_loop], dim=0)
-        return a_edge
+        if graph.num_loops == 0:
+            return self._edge_terms(ea)[0]
+        return torch.cat(
+            self._edge_terms(ea, self.loop_edge_attr(ea, graph)), dim=0)

@@ -645,9 +645,9 @@ def _build(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
            csc: Optional[CSC] = None) -> PreparedGraph:
     """The CSR of the augmented edge list, the input validated per ``mode``;
     no host sync unless ``mode`` is 'sync'."""
+    L = min(num_src, num_dst) if add_self_loops else 0
     if _is_compiling():
         _validate(src, dst, num_src, num_dst, is_sorted, mode)
-        L = min(num_src, num_dst) if add_self_loops else 0
         index64 = _index_dtype(src.shape[0] + L, num_src,
                                num_dst) == torch.int64
         parts = _build_csr(src, dst, num_src, num_dst, add_self_loops,
@@ -656,7 +656,6 @@ def _build(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
         parts = _csr_of(src, dst, num_src, num_dst, add_self_loops,
                         is_sorted, dst_ptr, mode)
     (rowptr, col, perm, removed) = parts
-    L = min(num_src, num_dst) if add_self_loops else 0
     return PreparedGraph(rowptr, col, csc, perm, removed, None, num_src,
                          num_dst, src.numel(), L, add_self_loops, layout,
                          index_dtype)
