@@ -285,9 +285,19 @@ constexpr int64_t kGatv2CpuGroups = 256;
 // CUDA backward, destination pass: this many blocks at most (a fixed grid,
 // rows strided over its warps); one grad_att partial per block.
 constexpr int64_t kGatv2CudaBwdBlocks = 2048;
-// CUDA: feature elements a lane keeps per row (registers); heads beyond
-// that go to further tiles of the grid's y dimension.
-constexpr int kGatv2LaneSlots = 4;
+// CUDA: heads a lane of the gatv2 / transformer kernels keeps (1..4) where
+// a head's row takes at most 32 lanes; heads beyond a tile go to further
+// tiles of the grid's y dimension (each walks the edges again).
+// gatv2_lane_slots(): PYG_FASTATTN_GATV2_LANE_SLOTS=1..4 overrides (tests,
+// A/B runs).
+constexpr int kGatv2LaneSlots = 1;
+
+inline int gatv2_lane_slots() {
+  const char* env = std::getenv("PYG_FASTATTN_GATV2_LANE_SLOTS");
+  const int n = (env == nullptr || *env == '\0') ? kGatv2LaneSlots
+                                                 : std::atoi(env);
+  return n < 1 ? 1 : (n > 4 ? 4 : n);
+}
 // CUDA: split path of the gatv2 kernels (one warp walks a row's edges one
 // by one, so long rows are split sooner than kSplitEdges). A window of
 // kGatv2SplitChunk edges goes to one block; the window partials take
@@ -304,14 +314,14 @@ constexpr int kGatv2EdgeBatch = 1;
 // kGatv2AsyncStages stages in shared memory (cp.async), kGatv2AsyncStages - 1
 // edges ahead of the edge they compute, so that the rows of several edges
 // are in flight without registers to hold them.
-// gatv2_async() says whether they do: PYG_FASTATTN_GATV2_ASYNC=0 / 1
-// (tests, A/B runs) overrides kGatv2AsyncDefault; gatv2_stages():
-// PYG_FASTATTN_GATV2_STAGES=2..8 overrides the stages (A/B runs).
+// By default they do for 32-bit floats where one gathered table (rows x
+// H x C) is larger than the L2 cache; gatv2_async(dflt):
+// PYG_FASTATTN_GATV2_ASYNC=0 / 1 (tests, A/B runs) overrides that;
+// gatv2_stages(): PYG_FASTATTN_GATV2_STAGES=2..8 overrides the stages.
 constexpr int kGatv2AsyncStages = 4;
-constexpr bool kGatv2AsyncDefault = true;
 
-inline bool gatv2_async() {
-  return env_flag("PYG_FASTATTN_GATV2_ASYNC", kGatv2AsyncDefault);
+inline bool gatv2_async(bool dflt) {
+  return env_flag("PYG_FASTATTN_GATV2_ASYNC", dflt);
 }
 
 // Resident blocks per SM that the ASYNC backward kernels with one slot a

@@ -561,7 +561,8 @@ inline Gatv2Plan make_plan(int64_t H, int64_t C, int V) {
             " channels per head for this dtype and alignment on CUDA, got ", C);
   if (L.KC == 1) {
     const int64_t need = ceil_div(H, HS);
-    L.KH = static_cast<int>(std::min<int64_t>(kGatv2LaneSlots, std::max<int64_t>(need, 1)));
+    L.KH = static_cast<int>(
+        std::min<int64_t>(gatv2_lane_slots(), std::max<int64_t>(need, 1)));
     P.heads = true;
     P.S = L.KH == 1 ? 1 : 4;
   } else {
@@ -631,12 +632,18 @@ inline void allow_smem(K kernel, size_t bytes) {
 
 // Stages of the asynchronous gathers for a launch of the plan, 0 for none:
 // one or four slots a lane on aligned rows of 32- or 16-bit floats, and
-// gatv2_async(); gatv2_stages() stages, or fewer (at least 2) where the
-// block's rings (nu units a slot and nf floats a head slot a stage) would
-// not fit the shared memory the device grants.
+// gatv2_async() (default: float32 rows of a table of `rows` rows larger
+// than the L2 cache); gatv2_stages() stages, or fewer (at least 2) where
+// the block's rings (nu units a slot and nf floats a head slot a stage)
+// would not fit the shared memory the device grants.
 template <typename scalar_t>
-inline int ring_stages(bool vec, const Gatv2Plan& P, int nu, int nf) {
-  if (sizeof(scalar_t) > 4 || !vec || P.S > 4 || !gatv2_async()) return 0;
+inline int ring_stages(bool vec, const Gatv2Plan& P, int nu, int nf,
+                       int64_t rows) {
+  if (sizeof(scalar_t) > 4 || !vec || P.S > 4) return 0;
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  const bool big = rows * P.L.H * P.L.C * static_cast<int64_t>(sizeof(scalar_t)) >
+                   static_cast<int64_t>(prop->l2CacheSize);
+  if (!gatv2_async(sizeof(scalar_t) == 4 && big)) return 0;
   using A = acc_t<scalar_t>;
   constexpr int VW = gatv2_vec<scalar_t>();
   constexpr int UB = static_cast<int>(sizeof(scalar_t)) * VW;
@@ -644,8 +651,7 @@ inline int ring_stages(bool vec, const Gatv2Plan& P, int nu, int nf) {
   const size_t merge = P.S == 1   ? merge_smem<A, 1, VW, 1>()
                        : P.heads ? merge_smem<A, 4, VW, 4>()
                                  : merge_smem<A, 4, VW, 1>();
-  const size_t limit =
-      at::cuda::getCurrentDeviceProperties()->sharedMemPerBlockOptin;
+  const size_t limit = prop->sharedMemPerBlockOptin;
   for (int ns = gatv2_stages(); ns >= 2; --ns)
     if (launch_smem<UB>(merge, true, true, ns, nu * P.S, nf * nkh) <= limit)
       return ns;

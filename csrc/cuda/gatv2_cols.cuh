@@ -276,7 +276,7 @@ void launch_bwd_cols(const Gatv2Args<scalar_t, index_t>& a, const Gatv2Plan& P,
   const int64_t row_blocks = ceil_div(a.Ns, kWarpsPerBlock);
   Gatv2Args<scalar_t, index_t> c = a;  // its own ring stages
   const int nu = 2 + (a.edge_term != nullptr), nf = 2 + (a.mask != nullptr);
-  c.stages = ring_stages<scalar_t>(vec, P, nu, nf);
+  c.stages = ring_stages<scalar_t>(vec, P, nu, nf, a.N);
   launch_plan<scalar_t>(
       vec, P, dim3(split_grid_x(row_blocks, a.spc), P.L.n_tiles),
       a.spc.nwin > 0, c.stages, nu, nf,

@@ -170,7 +170,7 @@ void run_forward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
   const dim3 grid(split_grid_x(row_blocks, a.sp),
                   static_cast<unsigned>(P.L.n_tiles));
   const int nu = 1 + DOT + (a.edge_term != nullptr);
-  a.stages = ring_stages<scalar_t>(vec, P, nu, 0);
+  a.stages = ring_stages<scalar_t>(vec, P, nu, 0, a.Ns);
   launch_plan<scalar_t>(
       vec, P, grid, a.sp.nwin > 0, a.stages, nu, 0,
       [](auto v, auto s, auto heads, auto as) {

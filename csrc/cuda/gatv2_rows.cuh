@@ -267,7 +267,7 @@ void run_backward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
   constexpr int VW = gatv2_vec<scalar_t>();
   const Gatv2Plan P = make_plan(H, C, vec ? VW : 1);
   const int nu = 1 + DOT + (a.edge_term != nullptr);
-  a.stages = ring_stages<scalar_t>(vec, P, nu, 0);
+  a.stages = ring_stages<scalar_t>(vec, P, nu, 0, a.Ns);
   launch_plan<scalar_t>(
       vec, P, dim3(split_grid_x(row_blocks, a.sp), P.L.n_tiles),
       a.sp.nwin > 0, a.stages, nu, 0,
