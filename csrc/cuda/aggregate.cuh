@@ -320,6 +320,32 @@ __device__ __forceinline__ void run_rows(const index_t* __restrict__ rowptr,
   }
 }
 
+// The rows of a row kernel's block: PARTIAL, the two window slots of
+// window block blockIdx.x (body(row, warp in block, kWarpsPerBlock, start,
+// end, slot 2 * w + q)); otherwise run_rows (body(row, rank, nranks, start,
+// end, 0) over the whole row).
+template <bool PARTIAL, typename index_t, typename Body>
+__device__ __forceinline__ void run_rows_or_windows(
+    const SplitArgs& sp, const index_t* __restrict__ rowptr, int64_t N,
+    int64_t E, int64_t coop, int64_t* s_long, Body&& body) {
+  if (PARTIAL) {
+    const int64_t w = blockIdx.x;
+    for (int q = 0; q < 2; ++q) {
+      int64_t row, s, t;
+      if (!window_part(sp, rowptr, E, w, q, row, s, t)) continue;
+      body(row, static_cast<int>(threadIdx.x >> 5), kWarpsPerBlock, s, t,
+           2 * w + q);
+    }
+  } else {
+    run_rows(rowptr, N, E, coop, sp.split, s_long,
+             [&](int64_t row, int rank, int nranks) {
+      int64_t start, end;
+      row_range(rowptr, row, E, start, end);
+      body(row, rank, nranks, start, end, 0);
+    });
+  }
+}
+
 template <int V, int KHQ, typename A>
 __device__ __forceinline__ void zero_acc(A (&acc)[KHQ][V]) {
 #pragma unroll

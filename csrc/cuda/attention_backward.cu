@@ -474,22 +474,8 @@ __global__ void __launch_bounds__(kBlock,
       }
     }
   };
-  if (PARTIAL) {
-    const int64_t w = blockIdx.x;
-    for (int q = 0; q < 2; ++q) {
-      int64_t node, s, t;
-      if (!window_part(a.sp, a.colptr, a.E, w, q, node, s, t)) continue;
-      col_body(node, static_cast<int>(threadIdx.x >> 5), kWarpsPerBlock, s, t,
-               2 * w + q);
-    }
-  } else {
-    run_rows(a.colptr, a.Ns, a.E, a.coop, a.sp.split, s_long,
-             [&](int64_t node, int rank, int nranks) {
-      int64_t start, end;
-      row_range(a.colptr, node, a.E, start, end);
-      col_body(node, rank, nranks, start, end, 0);
-    });
-  }
+  run_rows_or_windows<PARTIAL>(a.sp, a.colptr, a.Ns, a.E, a.coop, s_long,
+                               col_body);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
