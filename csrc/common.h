@@ -290,7 +290,7 @@ constexpr int64_t kGatv2CudaBwdBlocks = 2048;
 // tiles of the grid's y dimension (each walks the edges again).
 // gatv2_lane_slots(): PYG_FASTATTN_GATV2_LANE_SLOTS=1..4 overrides (tests,
 // A/B runs).
-constexpr int kGatv2LaneSlots = 4;
+constexpr int kGatv2LaneSlots = 1;
 
 inline int gatv2_lane_slots() {
   const char* env = std::getenv("PYG_FASTATTN_GATV2_LANE_SLOTS");
