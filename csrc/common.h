@@ -121,6 +121,39 @@ constexpr int kAttnBwdBlocksLean = 3;
 constexpr int kAttnBwdBlocksLeanFp32 = 4;
 constexpr int kAttnBwdBlocksLeanBf16 = 4;
 
+// CUDA attention with one head per lane: each weight of an edge batch is
+// computed by one lane of its head and shuffled to the others ("owner
+// lanes"), where these say so; otherwise every lane computes every weight.
+// kOwnerLanesBwdFp32: the float32 backward without per-edge terms;
+// kOwnerLanesBwdOther: the other lean backward kernels (half types,
+// softmax_aggregate's). PYG_FASTATTN_OWNER_LANES=0 / 1 (tests, A/B runs)
+// turns them off / on everywhere; read at every launch.
+constexpr bool kOwnerLanesFwd = true;
+constexpr bool kOwnerLanesBwdFp32 = false;
+constexpr bool kOwnerLanesBwdOther = false;
+
+// An A/B switch: the environment variable `name` set to 0 / 1 overrides
+// dflt (unset or empty: dflt). Read at every launch, so tests can flip it.
+inline bool env_flag(const char* name, bool dflt) {
+  const char* env = std::getenv(name);
+  return (env == nullptr || *env == '\0') ? dflt : std::atoi(env) != 0;
+}
+
+inline bool owner_lanes(bool dflt) {
+  return env_flag("PYG_FASTATTN_OWNER_LANES", dflt);
+}
+
+// The float32 lean attention backward with owner lanes and at least this
+// many lanes a head can keep this many entries a lane in flight (at three
+// blocks per SM instead of four); bwd_wide_batch() says whether it does:
+// PYG_FASTATTN_BWD_WIDE=0 / 1 (tests, A/B runs) overrides the default.
+constexpr int kAttnBwdWideBatch = 8;
+constexpr bool kAttnBwdWideDefault = false;
+
+inline bool bwd_wide_batch() {
+  return env_flag("PYG_FASTATTN_BWD_WIDE", kAttnBwdWideDefault);
+}
+
 struct SplitPlan {
   int64_t split;  // rows with more edges than this are split (>= chunk)
   int64_t chunk;  // edges per chunk
@@ -252,9 +285,19 @@ constexpr int64_t kGatv2CpuGroups = 256;
 // CUDA backward, destination pass: this many blocks at most (a fixed grid,
 // rows strided over its warps); one grad_att partial per block.
 constexpr int64_t kGatv2CudaBwdBlocks = 2048;
-// CUDA: feature elements a lane keeps per row (registers); heads beyond
-// that go to further tiles of the grid's y dimension.
-constexpr int kGatv2LaneSlots = 4;
+// CUDA: heads a lane of the gatv2 / transformer kernels keeps (1..4) where
+// a head's row takes at most 32 lanes; heads beyond a tile go to further
+// tiles of the grid's y dimension (each walks the edges again).
+// gatv2_lane_slots(): PYG_FASTATTN_GATV2_LANE_SLOTS=1..4 overrides (tests,
+// A/B runs).
+constexpr int kGatv2LaneSlots = 1;
+
+inline int gatv2_lane_slots() {
+  const char* env = std::getenv("PYG_FASTATTN_GATV2_LANE_SLOTS");
+  const int n = (env == nullptr || *env == '\0') ? kGatv2LaneSlots
+                                                 : std::atoi(env);
+  return n < 1 ? 1 : (n > 4 ? 4 : n);
+}
 // CUDA: split path of the gatv2 kernels (one warp walks a row's edges one
 // by one, so long rows are split sooner than kSplitEdges). A window of
 // kGatv2SplitChunk edges goes to one block; the window partials take
@@ -266,6 +309,35 @@ constexpr int64_t kGatv2SplitChunk = 2048;
 // larger batch's registers cost more occupancy than its gathers in flight
 // gain (benchmarks/RESULTS.md).
 constexpr int kGatv2EdgeBatch = 1;
+// CUDA: with one or four slots a lane (aligned rows of 32- or 16-bit
+// floats) the gatv2 / transformer kernels can gather through a ring of
+// kGatv2AsyncStages stages in shared memory (cp.async), kGatv2AsyncStages - 1
+// edges ahead of the edge they compute, so that the rows of several edges
+// are in flight without registers to hold them.
+// By default they do for 32-bit floats where one gathered table (rows x
+// H x C) is larger than the L2 cache; gatv2_async(dflt):
+// PYG_FASTATTN_GATV2_ASYNC=0 / 1 (tests, A/B runs) overrides that;
+// gatv2_stages(): PYG_FASTATTN_GATV2_STAGES=2..8 overrides the stages.
+constexpr int kGatv2AsyncStages = 4;
+
+inline bool gatv2_async(bool dflt) {
+  return env_flag("PYG_FASTATTN_GATV2_ASYNC", dflt);
+}
+
+// Resident blocks per SM that the ASYNC backward kernels with one slot a
+// lane are compiled for (launch bounds: at most 80 registers for three
+// blocks, 64 for four, where the others spill); the forward stays within 64
+// without a bound, and four-slot kernels have none.
+constexpr int kGatv2AsyncBlocksRows = 3;       // destination pass, both
+constexpr int kGatv2AsyncBlocksCols = 4;       // gatv2 source pass, float32
+constexpr int kGatv2AsyncBlocksColsOther = 3;  // the other source passes
+
+inline int gatv2_stages() {
+  const char* env = std::getenv("PYG_FASTATTN_GATV2_STAGES");
+  const int n = (env == nullptr || *env == '\0') ? kGatv2AsyncStages
+                                                 : std::atoi(env);
+  return n < 2 ? 2 : (n > 8 ? 8 : n);
+}
 
 void check_gatv2_attention(const at::Tensor& rowptr, const at::Tensor& col,
                            const at::Tensor& x_l, const at::Tensor& x_r,

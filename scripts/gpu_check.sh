@@ -292,10 +292,11 @@ df -h /tmp | tail -1
 echo "PYG_FASTATTN_DATA=${PYG_FASTATTN_DATA:-unset}; PYG_FASTATTN_CACHE=$PYG_FASTATTN_CACHE"
 '
 
-# A library built by an earlier call (prebuilt.txz or .tgz from its $OUT,
-# carried in .data/) goes into the cache: its folder name is the hash of the
-# sources, flags and toolchain, so it loads only if nothing changed.
-for f in "$ROOT/.data/prebuilt.txz" "$ROOT/.data/prebuilt.tgz"; do
+# Libraries built by earlier calls (prebuilt.txz or .tgz from their $OUT,
+# carried in .data/ as prebuilt*.txz / .tgz) go into the cache: a folder's
+# name is the hash of the sources, flags and toolchain, so a library loads
+# only if nothing changed.
+for f in "$ROOT"/.data/prebuilt*.txz "$ROOT"/.data/prebuilt*.tgz; do
     [ -f "$f" ] && mkdir -p "$PYG_FASTATTN_CACHE" && tar -xf "$f" -C "$PYG_FASTATTN_CACHE"
 done
 

@@ -18,6 +18,7 @@ weight() {
         test_compile.py) echo 200 ;;
         test_robustness.py) echo 140 ;;
         test_gatv2.py) echo 90 ;;
+        test_gatv2_async.py) echo 60 ;;  # an estimate: not run yet
         test_transformer_conv.py) echo 80 ;;
         test_ops.py | test_transformer_attention.py) echo 60 ;;
         test_hub.py | test_ddp.py) echo 20 ;;

@@ -38,6 +38,28 @@ def make_graph(kind, idx_dtype=torch.int64, device='cpu'):
     return rowptr, col, num_cols
 
 
+def hub_graph(monkeypatch, split, idx_dtype, many_rows=False):
+    """A CUDA graph for comparing kernel variants: empty rows and a
+    5000-edge hub row half of whose edges come from node 0 (a hub column),
+    with the split threshold PYG_FASTATTN_SPLIT_EDGES set to ``split``
+    (None: unset). many_rows: 20,000 more rows of 0-4 edges, so that the
+    kernels that stride over rows give a warp several. Returns (rowptr, col,
+    num_cols, a seeded CUDA generator)."""
+    if split is None:
+        monkeypatch.delenv('PYG_FASTATTN_SPLIT_EDGES', raising=False)
+    else:
+        monkeypatch.setenv('PYG_FASTATTN_SPLIT_EDGES', split)
+    if many_rows:
+        deg = torch.cat([torch.tensor([2, 0, 5000, 1, 3, 0]),
+                         torch.randint(0, 5, (20000, ))])
+        num_cols = 300
+        rowptr, col = csr_from_degrees(deg, num_cols, idx_dtype, 'cuda')
+    else:
+        rowptr, col, num_cols = make_graph('huge', idx_dtype, 'cuda')
+    col[:2500] = 0  # half of the hub row's edges come from node 0
+    return rowptr, col, num_cols, torch.Generator(device='cuda').manual_seed(0)
+
+
 def noncontig(t):
     """A non-contiguous tensor equal to ``t`` (strided view of a bigger one)."""
     big = torch.empty(t.shape + (2, ), dtype=t.dtype, device=t.device)

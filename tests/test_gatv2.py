@@ -576,3 +576,4 @@ def test_layer_autocast(backend, device, dtype):
     assert out.dtype == out_ref.dtype
     rel = ((out.float() - out32).norm() / out32.norm()).item()
     assert rel < 3e-2
+

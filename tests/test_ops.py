@@ -6,8 +6,8 @@ from torch_geometric.utils import softmax as pyg_softmax
 from pyg_fastattn import _build, ops, reference as R
 from pyg_fastattn.ops.csr import rows_of
 
-from conftest import DEVICES
-from graphs import csr_from_degrees, make_graph, noncontig
+from conftest import DEVICES, requires_cuda
+from graphs import csr_from_degrees, hub_graph, make_graph, noncontig
 
 GRAPHS = ['mixed', 'huge', 'empty', 'single', 'deg1']
 HC = [(1, 1), (4, 7), (8, 33), (1, 64), (8, 64)]
@@ -509,3 +509,54 @@ def test_segment_sum_large(device, avg_deg, heads, idx, dtype):
         _close(got, R.segment_sum(rowptr, p, src.double()), dtype, 'output')
         if device == 'cuda':
             assert torch.equal(K.segment_sum(rowptr, p, src), got)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('heads,C', [(4, 32), (1, 32), (8, 16), (2, 8), (4, 12), (1, 4),
+                                     (2, 64), (1, 128)])
+@pytest.mark.parametrize('idx', IDX)
+@pytest.mark.parametrize('split', [None, '16'])
+@pytest.mark.parametrize('wide', ['0', '1'])
+def test_owner_lanes(monkeypatch, dtype, heads, C, idx, split, wide):
+    """CUDA, one head per lane: each weight of an edge batch computed by one
+    lane of its head and shuffled (PYG_FASTATTN_OWNER_LANES=1) against every
+    lane computing every weight (=0), forward and backward, with a hub row
+    and a hub column (and with split=16 both on the split path), 1 to 32
+    lanes a head; wide=1: the float32 backward's 8-entry batches where a
+    head has at least 8 lanes. Outputs,
+    grad_values and grad_z (so grad_a_dst) agree bit for bit; grad_a_src sums
+    the same terms in another order."""
+    if not _build.load().native:
+        pytest.skip(f'native kernels unavailable: {_build.load().error}')
+    monkeypatch.setenv('PYG_FASTATTN_BWD_WIDE', wide)
+    rowptr, col, Ns, g = hub_graph(monkeypatch, split, idx)
+    N, E = rowptr.numel() - 1, col.numel()
+
+    def leaf(*shape):
+        t = torch.randn(*shape, device='cuda', generator=g).to(dtype)
+        return t.requires_grad_(True)
+
+    v, a_src, a_dst, s = leaf(Ns, heads, C), leaf(Ns, heads), leaf(N, heads), leaf(E, heads)
+    go = torch.randn(N, heads, C, device='cuda', generator=g).to(dtype)
+    csc = ops.csr_to_csc(rowptr, col, Ns, validate=False)
+    res = {}
+    for own in ('0', '1'):
+        monkeypatch.setenv('PYG_FASTATTN_OWNER_LANES', own)
+        out = ops.attention(rowptr, col, v, a_src=a_src, a_dst=a_dst, csc=csc)
+        gv, gsrc, gdst = torch.autograd.grad(out, [v, a_src, a_dst], go)
+        out2 = ops.softmax_aggregate(rowptr, col, s, v, csc=csc, validate=False)
+        gs2, gv2 = torch.autograd.grad(out2, [s, v], go)
+        res[own] = dict(out=out, gv=gv, gdst=gdst, gsrc=gsrc, out2=out2,
+                        gs2=gs2, gv2=gv2)
+    for k, a in res['0'].items():
+        b = res['1'][k]
+        assert torch.isfinite(a).all(), k
+        if k == 'gsrc':
+            tol = 1e-5 if dtype == torch.float32 else 1e-2
+            scale = a.abs().max().item()
+            torch.testing.assert_close(b.float(), a.float(), rtol=tol,
+                                       atol=tol * scale, msg=lambda m: f'{k}: {m}')
+        else:
+            assert torch.equal(a, b), k

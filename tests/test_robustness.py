@@ -104,7 +104,7 @@ def test_mixed_devices_raise():
 
 
 @pytest.mark.parametrize('device', DEVICES)
-def test_native_ops_never_touch_out_of_bounds(device):
+def test_native_ops_never_touch_out_of_bounds(device, monkeypatch):
     """Unvalidated calls straight into the kernels with garbage indices must
     not crash (kernels clamp rows and skip bad columns)."""
     from pyg_fastattn import _build
@@ -124,6 +124,37 @@ def test_native_ops_never_touch_out_of_bounds(device):
     K.attention_backward(rowptr, col, t([0, 3, -2, 99]), t([7, -1, 2, 0]),
                          t([-5, 2, 100, 1]), None, None, s, None, v, 1.0, out,
                          lse, torch.randn_like(out))
+    # One head per lane (CUDA: the lean kernels, 1 to 8 lanes a head, owner
+    # lanes where a head has several), GAT terms and softmax_aggregate's.
+    csc_bad = (t([0, 3, -2, 99]), t([7, -1, 2, 0]), t([-5, 2, 100, 1]))
+    for C in (4, 8, 16, 32):
+        vl = torch.randn(3, 2, C, device=device)
+        a_s, a_d = torch.randn(3, 2, device=device), torch.randn(4, 2, device=device)
+        o, lo = K.attention(rowptr, col, a_s, a_d, None, None, vl, 0.2,
+                            *(None, ) * 5)
+        go = torch.randn_like(o)
+        K.attention_backward(rowptr, col, *csc_bad, a_s, a_d, None, None, vl,
+                             0.2, o, lo, go)
+        o, lo = K.attention(rowptr, col, None, None, s, None, vl, 1.0,
+                            *(None, ) * 5)
+        K.attention_backward(rowptr, col, *csc_bad, None, None, s, None, vl,
+                             1.0, o, lo, go, True)
+        # gatv2 and transformer, on CUDA gathering one edge at a time and
+        # through their shared-memory rings
+        xr, att = torch.randn(4, 2, C, device=device), torch.randn(2, C, device=device)
+        et, mk = torch.randn(4, 2, C, device=device), torch.ones(4, 2, device=device)
+        for ring in (('0', '1') if device == 'cuda' else ('1', )):
+            monkeypatch.setenv('PYG_FASTATTN_GATV2_ASYNC', ring)
+            o, lo = K.gatv2_attention(rowptr, col, vl, xr, et, att, mk, 0.2,
+                                      None, None, None, None, -1, -1)
+            K.gatv2_attention_backward(rowptr, col, *csc_bad, vl, xr, et, att,
+                                       mk, 0.2, None, o, lo, go, True, -1, -1)
+            o, lo = K.transformer_attention(rowptr, col, xr, vl, vl, et, mk,
+                                            0.5, None, None, None, -1, -1,
+                                            False)
+            K.transformer_attention_backward(rowptr, col, *csc_bad, xr, vl, vl,
+                                             et, mk, 0.5, o, lo, go, True, -1,
+                                             -1)
     if device == 'cuda':
         torch.cuda.synchronize()
     # And a valid call still gives the right answer.

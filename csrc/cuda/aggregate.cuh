@@ -106,28 +106,37 @@ __device__ __forceinline__ void gather_accumulate(
   using A = acc_t<scalar_t>;
   constexpr int EB = edge_batch<KHQ, V, scalar_t>();
   const int64_t stride = static_cast<int64_t>(T.ES) * nranks;
-  const int64_t first = start + static_cast<int64_t>(rank) * T.ES + T.es;
-  for (int64_t e0 = first; e0 < end; e0 += stride * EB) {
+  const auto slim = index_limit<index_t>(Ns);
+  // the trip count is warp-uniform (fn.weights may shuffle)
+  for (int64_t e0 = start + static_cast<int64_t>(rank) * T.ES; e0 < end;
+       e0 += stride * EB) {
     int64_t e[EB], j[EB], aux[EB];
     bool ok[EB];
 #pragma unroll
     for (int b = 0; b < EB; ++b) {
-      e[b] = e0 + b * stride;
+      e[b] = e0 + T.es + b * stride;
       ok[b] = e[b] < end;
       j[b] = e[b];
     }
+    bool jin[EB];
     if (col != nullptr) {
       index_t c[EB];
 #pragma unroll
       for (int b = 0; b < EB; ++b) c[b] = ok[b] ? col[e[b]] : index_t(0);
 #pragma unroll
-      for (int b = 0; b < EB; ++b) j[b] = static_cast<int64_t>(c[b]);
+      for (int b = 0; b < EB; ++b) {
+        j[b] = static_cast<int64_t>(c[b]);
+        jin[b] = index_in(c[b], slim);
+      }
+    } else {
+#pragma unroll
+      for (int b = 0; b < EB; ++b) jin[b] = j[b] >= 0 && j[b] < Ns;
     }
 #pragma unroll
     for (int b = 0; b < EB; ++b) aux[b] = fn.edge_aux(e[b], ok[b]);
 #pragma unroll
     for (int b = 0; b < EB; ++b)
-      ok[b] = ok[b] && j[b] >= 0 && j[b] < Ns && fn.edge_ok(aux[b]);
+      ok[b] = ok[b] && jin[b] && fn.edge_ok(aux[b]);
     Vec<scalar_t, V> raw[EB][KHQ];
 #pragma unroll
     for (int b = 0; b < EB; ++b)
@@ -149,6 +158,29 @@ __device__ __forceinline__ void gather_accumulate(
           acc[kh][v] += wgt[b][kh] * vec_get(raw[b][kh], v);
       }
     }
+  }
+}
+
+// Owner lanes (a batch of EB entries, STRIDE = EB / OWN lanes of a head
+// share it): lane cl owns entries own0 + STRIDE*m, own0 = cl % STRIDE.
+// owned: that entry of a per-entry array (selects; own0 is per lane).
+template <int STRIDE, typename T, int N>
+__device__ __forceinline__ T owned(const T (&x)[N], int own0, int m) {
+  T v = x[STRIDE * m];
+#pragma unroll
+  for (int r = 1; r < STRIDE; ++r)
+    if (own0 == r) v = x[STRIDE * m + r];
+  return v;
+}
+// from_owner: entry b's value, held as mine[b / STRIDE] by its owner lane
+// gbase | (b % STRIDE) (gbase: the head's first lane). All lanes call it.
+template <int STRIDE, typename A, int OWN>
+__device__ __forceinline__ A from_owner(const A (&mine)[OWN], int b,
+                                        int gbase) {
+  if constexpr (STRIDE == 1) {
+    return mine[b];
+  } else {
+    return __shfl_sync(kFullMask, mine[b / STRIDE], gbase | (b % STRIDE));
   }
 }
 
@@ -285,6 +317,32 @@ __device__ __forceinline__ void run_rows(const index_t* __restrict__ rowptr,
       break;
     }
     body(it, rank, nranks);
+  }
+}
+
+// The rows of a row kernel's block: PARTIAL, the two window slots of
+// window block blockIdx.x (body(row, warp in block, kWarpsPerBlock, start,
+// end, slot 2 * w + q)); otherwise run_rows (body(row, rank, nranks, start,
+// end, 0) over the whole row).
+template <bool PARTIAL, typename index_t, typename Body>
+__device__ __forceinline__ void run_rows_or_windows(
+    const SplitArgs& sp, const index_t* __restrict__ rowptr, int64_t N,
+    int64_t E, int64_t coop, int64_t* s_long, Body&& body) {
+  if (PARTIAL) {
+    const int64_t w = blockIdx.x;
+    for (int q = 0; q < 2; ++q) {
+      int64_t row, s, t;
+      if (!window_part(sp, rowptr, E, w, q, row, s, t)) continue;
+      body(row, static_cast<int>(threadIdx.x >> 5), kWarpsPerBlock, s, t,
+           2 * w + q);
+    }
+  } else {
+    run_rows(rowptr, N, E, coop, sp.split, s_long,
+             [&](int64_t row, int rank, int nranks) {
+      int64_t start, end;
+      row_range(rowptr, row, E, start, end);
+      body(row, rank, nranks, start, end, 0);
+    });
   }
 }
 

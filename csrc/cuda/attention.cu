@@ -1,77 +1,23 @@
-// attention / attention_backward on CUDA: fused GAT score, row softmax and
-// aggregation (forward) and the per-edge gradients (backward).
-#include "aggregate.cuh"
+// attention on CUDA: fused GAT score, row softmax and aggregation (the
+// forward; attention_backward.cu has the per-edge gradients).
+#include "attention.cuh"
 
 namespace pyg_fastattn {
 namespace cuda {
 namespace {
 
-// What the backward needs of destination row i, head h, in one load:
-// a_dst[i, h] (0 without a_dst), lse[i, h] and delta = <grad_out[i, h],
-// out[i, h] - bias[h]>.
-template <typename A>
-struct alignas(4 * sizeof(A)) RowInfo {
-  A adst, lse, delta, pad;
-};
-
-// RowInfo without a_dst (softmax_aggregate's backward): half the bytes that
-// every CSC entry gathers.
-template <typename A>
-struct alignas(2 * sizeof(A)) RowInfoLD {
-  A lse, delta;
-};
-
-template <typename A>
-__device__ __forceinline__ A row_adst(const RowInfo<A>& r) { return r.adst; }
-template <typename A>
-__device__ __forceinline__ A row_adst(const RowInfoLD<A>&) { return A(0); }
-template <typename A>
-__device__ __forceinline__ void row_none(RowInfo<A>& r) {
-  r.adst = A(0);
-  r.lse = neg_inf<A>();  // alpha 0
-  r.delta = A(0);
-}
-template <typename A>
-__device__ __forceinline__ void row_none(RowInfoLD<A>& r) {
-  r.lse = neg_inf<A>();
-  r.delta = A(0);
-}
-
-template <typename scalar_t, typename index_t>
-struct AttnArgs {
-  const index_t* rowptr;
-  const index_t* col;
-  const scalar_t* a_src;   // [Ns, H] or nullptr
-  const scalar_t* a_dst;   // [N, H] or nullptr
-  const scalar_t* a_edge;  // [E, H] or nullptr
-  const scalar_t* mask;    // [E, H] or nullptr
-  const scalar_t* values;  // [Ns, H, C]
-  const scalar_t* bias;    // [H, C] or nullptr: in out (forward's store)
-  // forward outputs
-  scalar_t* out;               // [N, H, C]
-  acc_t<scalar_t>* lse_out;    // [N, H]
-  // backward inputs / outputs
-  const index_t* colptr;       // [Ns + 1] transpose
-  const index_t* row_t;        // [E] CSR row of each CSC entry
-  const index_t* perm;         // [E] CSR position of each CSC entry
-  const acc_t<scalar_t>* lse;    // [N, H]
-  RowInfo<acc_t<scalar_t>>* rinfo;  // [N, H] per-row terms of the backward
-  const scalar_t* grad_out;    // [N, H, C]
-  scalar_t* gvalues;           // [Ns, H, C]
-  scalar_t* gz;                // [E, H], CSC order (CSR with gz_csr)
-  bool gz_csr;
-  scalar_t* gsrc;              // [Ns, H]
-  int64_t N, E, Ns;
-  int64_t coop;  // rows / columns over this many edges are block-shared
-  acc_t<scalar_t> slope;
-  // split path (utils.cuh): long rows / columns and their partials
-  SplitArgs sp;
-  acc_t<scalar_t>* part_acc;  // [2 * nwin, D] (backward: [2 * nwin, D + H])
-  acc_t<scalar_t>* part_ms;   // [2 * nwin, H, 2] forward (max, sum)
-};
 
 // The score of edge e = (j -> i), head h: z = a_src[j, h] + a_dst[i, h] +
 // a_edge[e, h] (absent terms 0), summed in the reference's order from 0.
+template <typename A>
+__device__ __forceinline__ A score_z(bool has_src, A zs, A adst, bool has_edge,
+                                     A ze) {
+  A z = A(0);
+  if (has_src) z += zs;
+  z += adst;
+  if (has_edge) z += ze;
+  return z;
+}
 
 // Which per-edge terms a forward kernel reads, fixed at compile time for the
 // common cases so that an edge's work has no branches on absent tensors
@@ -99,7 +45,10 @@ struct FwdHas {
 
 // Forward edge weights: p = softmax(s)[e, h] * mask[e, h], for a batch of
 // EB edges: every load of the batch is issued before the first is used.
-template <typename scalar_t, int KHQ, int TERMS>
+// OWN < EB (one head per lane, LH >= EB / OWN lanes a head): lane cl
+// computes the weights of edges b = (cl % STRIDE) + STRIDE*m only, and the
+// head's lanes take them from their owners by shuffles.
+template <typename scalar_t, int KHQ, int TERMS, int OWN>
 struct AttnFwdWeight {
   using A = acc_t<scalar_t>;
   using Has = FwdHas<TERMS>;
@@ -121,6 +70,37 @@ struct AttnFwdWeight {
                                           A (&w)[EB][KHQ]) const {
     const bool has_src = Has::src(a_src), has_edge = Has::edge(a_edge),
                has_mask = Has::mask(mask);
+    if constexpr (KHQ == 1 && OWN < EB) {
+      static_assert(EB % OWN == 0, "OWN divides the batch");
+      constexpr int STRIDE = EB / OWN;
+      const int own0 = T.cl & (STRIDE - 1);
+      int64_t jo[OWN], eo[OWN];
+      bool use[OWN];
+#pragma unroll
+      for (int q = 0; q < OWN; ++q) {
+        jo[q] = owned<STRIDE>(j, own0, q);
+        eo[q] = owned<STRIDE>(e, own0, q);
+        use[q] = owned<STRIDE>(ok, own0, q) && T.hok[0];
+      }
+      A zs[OWN], ze[OWN], mk[OWN], al[OWN];
+#pragma unroll
+      for (int q = 0; q < OWN; ++q) {
+        zs[q] = (has_src && use[q]) ? to_acc(a_src[jo[q] * H + h[0]]) : A(0);
+        ze[q] = (has_edge && use[q]) ? to_acc(a_edge[eo[q] * H + h[0]]) : A(0);
+        mk[q] = (has_mask && use[q]) ? to_acc(mask[eo[q] * H + h[0]]) : A(1);
+      }
+#pragma unroll
+      for (int q = 0; q < OWN; ++q) {
+        const A z = score_z(has_src, zs[q], adst[0], has_edge, ze[q]);
+        al[q] = softmax_weight(leaky(z, slope), m[0], s[0], inv[0]);
+        if (has_mask) al[q] *= mk[q];
+      }
+      const int gbase = lane_id() & ~(T.LH - 1);
+#pragma unroll
+      for (int b = 0; b < EB; ++b)
+        w[b][0] = from_owner<STRIDE>(al, b, gbase);
+      return;
+    }
     A zs[EB][KHQ], ze[EB][KHQ], mk[EB][KHQ];
 #pragma unroll
     for (int b = 0; b < EB; ++b)
@@ -135,10 +115,7 @@ struct AttnFwdWeight {
     for (int b = 0; b < EB; ++b)
 #pragma unroll
       for (int kh = 0; kh < KHQ; ++kh) {
-        A z = A(0);  // the reference's order (above)
-        if (has_src) z += zs[b][kh];
-        z += adst[kh];
-        if (has_edge) z += ze[b][kh];
+        const A z = score_z(has_src, zs[b][kh], adst[kh], has_edge, ze[b][kh]);
         A al = softmax_weight(leaky(z, slope), m[kh], s[kh], inv[kh]);
         if (has_mask) al *= mk[b][kh];
         w[b][kh] = al;
@@ -152,7 +129,8 @@ struct AttnFwdWeight {
 //   lane takes edges (es * LH + cl) + ES*LH*k, so the row's (edge, head)
 //   pairs are split over all 32 lanes (a_edge loads issued with the col
 //   loads, not after them); merged over the cl and es lane bits.
-// Pass 2: gather_accumulate (aggregate.cuh) with w = alpha * mask: lane
+// Pass 2: gather_accumulate (aggregate.cuh) with w = alpha * mask (OWN < EB:
+//   computed by owner lanes, AttnFwdWeight): lane
 //   (es, hs, cl) walks edges es + ES*k and accumulates its 16-byte unit of
 //   values[col[e]] for each of its heads; the ES edge slots are summed with
 //   shuffles; slot 0 stores them plus bias. Channel tile 0 also writes lse.
@@ -165,7 +143,7 @@ struct AttnFwdWeight {
 // part of a long row, whose unnormalized sums and statistics go to slot
 // `slot` of the partials), processed by warp `rank` of `nranks`.
 template <bool PARTIAL, typename scalar_t, typename index_t, int V, int KHQ,
-          int TERMS>
+          int TERMS, int OWN>
 __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
                                         const TileLayout& L, int64_t row,
                                         int64_t start, int64_t end, int rank,
@@ -183,7 +161,7 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
 
   using Has = FwdHas<TERMS>;
   const bool has_src = Has::src(a.a_src), has_edge = Has::edge(a.a_edge);
-  AttnFwdWeight<scalar_t, KHQ, TERMS> fn;
+  AttnFwdWeight<scalar_t, KHQ, TERMS, OWN> fn;
   fn.a_src = a.a_src;
   fn.a_edge = a.a_edge;
   fn.mask = a.mask;
@@ -203,6 +181,7 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
   const int64_t nslots = static_cast<int64_t>(T.ES) * T.LH;
   const int64_t stride = nslots * nranks;
   const int64_t first = start + rank * nslots + T.es * T.LH + T.cl;
+  const auto slim = index_limit<index_t>(a.Ns);
   for (int64_t e0 = first; e0 < end; e0 += stride * U) {
     int64_t e[U], j[U];
     bool ok[U];
@@ -212,14 +191,15 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
     for (int u = 0; u < U; ++u) {
       e[u] = e0 + u * stride;
       const bool in = e[u] < end;
-      j[u] = in ? static_cast<int64_t>(a.col[e[u]]) : 0;
+      const index_t c = in ? a.col[e[u]] : index_t(0);
+      j[u] = static_cast<int64_t>(c);
       // a_edge does not wait for col
 #pragma unroll
       for (int kh = 0; kh < KHQ; ++kh)
         ae[u][kh] = (in && has_edge && T.hok[kh])
                         ? to_acc(a.a_edge[e[u] * H + T.h[kh]])
                         : A(0);
-      ok[u] = in && j[u] >= 0 && j[u] < a.Ns;
+      ok[u] = in && index_in(c, slim);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u)
@@ -233,10 +213,7 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
     for (int u = 0; u < U; ++u)
 #pragma unroll
       for (int kh = 0; kh < KHQ; ++kh) {
-        A z = A(0);  // the reference's order (above)
-        if (has_src) z += as[u][kh];
-        z += fn.adst[kh];
-        if (has_edge) z += ae[u][kh];
+        const A z = score_z(has_src, as[u][kh], fn.adst[kh], has_edge, ae[u][kh]);
         x[u][kh] = (ok[u] && T.hok[kh]) ? leaky(z, a.slope) : neg_inf<A>();
       }
 #pragma unroll
@@ -253,6 +230,19 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
         const A s2 = __shfl_xor_sync(kFullMask, fn.s[kh], off);
         online_merge(fn.m[kh], fn.s[kh], m2, s2);
       }
+    }
+  }
+  // A merge rounds in its own lane's order (s * e + s2 * e2 becomes an
+  // fma), so a head's lanes may end with sums a rounding apart: all take
+  // the state of the head's first lane (cl = es = 0, the one that writes
+  // lse), so that an edge's weight does not depend on the lane that
+  // computes it (owner lanes).
+  {
+    const int head0 = lane & (T.LH * T.HS - 1) & ~(T.LH - 1);
+#pragma unroll
+    for (int kh = 0; kh < KHQ; ++kh) {
+      fn.m[kh] = __shfl_sync(kFullMask, fn.m[kh], head0);
+      fn.s[kh] = __shfl_sync(kFullMask, fn.s[kh], head0);
     }
   }
   if (nranks > 1) {  // merge over the block's warps, same order everywhere
@@ -303,7 +293,8 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
   }
 }
 
-template <typename scalar_t, typename index_t, int V, int KHQ, int TERMS>
+template <typename scalar_t, typename index_t, int V, int KHQ, int TERMS,
+          int OWN>
 __global__ void __launch_bounds__(kBlock, (KHQ != 1            ? 1
                                            : TERMS == kFwdAny ? kAttnFwdBlocksAny
                                                               : kAttnFwdBlocks))
@@ -317,7 +308,7 @@ __global__ void __launch_bounds__(kBlock, (KHQ != 1            ? 1
            [&](int64_t row, int rank, int nranks) {
     int64_t start, end;
     row_range(a.rowptr, row, a.E, start, end);
-    fwd_row<false, scalar_t, index_t, V, KHQ, TERMS>(a, L, row, start, end,
+    fwd_row<false, scalar_t, index_t, V, KHQ, TERMS, OWN>(a, L, row, start, end,
                                                      rank, nranks, s_m, s_s,
                                                      s_red, 0);
   });
@@ -338,404 +329,11 @@ __global__ void __launch_bounds__(kBlock)
   for (int q = 0; q < 2; ++q) {
     int64_t row, s, t;
     if (!window_part(a.sp, a.rowptr, a.E, w, q, row, s, t)) continue;
-    fwd_row<true, scalar_t, index_t, V, KHQ, kFwdAny>(
+    fwd_row<true, scalar_t, index_t, V, KHQ, kFwdAny,
+            edge_batch<KHQ, V, scalar_t>()>(
         a, L, row, s, t, static_cast<int>(threadIdx.x >> 5), kWarpsPerBlock,
         s_m, s_s, s_red, 2 * w + q);
   }
-}
-
-// Backward prologue: G lanes per (row i, head h) (G a power of two, the
-// fewest that cover C in V-element units; 32 / G pairs per warp, warps
-// grid-stride over the pairs), so each warp load covers consecutive bytes of
-// grad_out and out. Packs RowInfo {a_dst, lse, delta = <grad_out[i, h],
-// out[i, h] - bias[h]>} (delta summed over the G lanes by shuffles); all
-// threads also zero grad_z at the positions no warp visits: k >= colptr[Ns]
-// (CSC order) or e >= rowptr[N] (CSR).
-template <typename scalar_t, typename index_t, int V, bool COMPACT>
-__global__ void __launch_bounds__(kBlock)
-    bwd_prologue_kernel(AttnArgs<scalar_t, index_t> a,
-                        const scalar_t* __restrict__ fout, int H, int64_t C,
-                        int G) {
-  using A = acc_t<scalar_t>;
-  const int64_t tail = a.gz_csr ? tail_begin(a.rowptr, a.N, a.E)
-                                : tail_begin(a.colptr, a.Ns, a.E);
-  const int64_t rows = a.N * H;
-  const int lane = lane_id();
-  const int per_warp = kWarp / G;
-  const int64_t nwarps =
-      static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
-  for (int64_t t0 = global_warp() * per_warp; t0 < rows;
-       t0 += nwarps * per_warp) {  // warp-uniform trip count
-    const int64_t t = t0 + lane / G;
-    const bool ok = t < rows;
-    A d = A(0);
-    if (ok) {
-      const scalar_t* b = a.bias != nullptr ? a.bias + (t % H) * C : nullptr;
-      for (int64_t c = static_cast<int64_t>(lane % G) * V; c < C;
-           c += static_cast<int64_t>(G) * V) {
-        const Vec<scalar_t, V> u =
-            load_vec<scalar_t, V>(a.grad_out + t * C + c);
-        Vec<scalar_t, V> w = load_vec<scalar_t, V>(fout + t * C + c);
-        if (b != nullptr) {
-          const Vec<scalar_t, V> bv = load_vec<scalar_t, V>(b + c);
-#pragma unroll
-          for (int v = 0; v < V; ++v)
-            d += to_acc(vec_get(u, v)) *
-                 (to_acc(vec_get(w, v)) - to_acc(vec_get(bv, v)));
-        } else {
-#pragma unroll
-          for (int v = 0; v < V; ++v)
-            d += to_acc(vec_get(u, v)) * to_acc(vec_get(w, v));
-        }
-      }
-    }
-    d = xor_sum(d, 1, G);
-    if (ok && lane % G == 0) {
-      if (COMPACT) {
-        RowInfoLD<A> r;
-        r.lse = a.lse[t];
-        r.delta = d;
-        reinterpret_cast<RowInfoLD<A>*>(a.rinfo)[t] = r;
-      } else {
-        RowInfo<A> r;
-        r.adst = a.a_dst != nullptr ? to_acc(a.a_dst[t]) : A(0);
-        r.lse = a.lse[t];
-        r.delta = d;
-        r.pad = A(0);
-        a.rinfo[t] = r;
-      }
-    }
-  }
-  zero_from(tail, a.E, H, a.gz);
-}
-
-// Recomputed forward weight of one (edge, head) for the backward, from the
-// row's packed terms: z = a_src + a_dst + a_edge (the reference's order),
-// alpha = exp(leaky(z) - lse) (0 where lse is not finite: fin = false).
-template <typename A, typename R>
-__device__ __forceinline__ A bwd_alpha(A asrc, const R& r, A aedge,
-                                       A slope, A& z, bool& fin) {
-  z = asrc + row_adst(r) + aedge;
-  fin = is_finite(r.lse);
-  return fin ? pfa_exp(leaky(z, slope) - r.lse) : A(0);
-}
-
-// Backward, one pass over the transpose: one warp per (source node j, head
-// tile), same lane layout as the forward with whole heads per warp (heads
-// of more than 32 units: each lane walks units cl + 32*kc). The lane's units
-// of values[j] stay in registers. The column's entries come in chunks of
-// 32 whose (i = row[k], e = perm[k]) one coalesced load per lane fetches
-// (IdxChunk); lane (es, hs, cl) takes entries es + ES*b of each batch of
-// ES*EB (EB in flight), gets (i, e) by shuffles, first issues every load of
-// the batch (RowInfo of (i, h), a_edge / mask of (e, h), its units of
-// grad_out[i]), then reduces <grad_out[i,h], values[j,h]> over the
-// head's LH lanes, recomputes alpha and accumulates alpha*mask*grad_out[i]
-// (grad_values) and grad_z (grad_a_src); lane cl == 0 writes grad_z[k, h]
-// (CSC order: consecutive entries, coalesced; or grad_z[e, h], scattered,
-// when the caller needs it in CSR order). Edge slots are summed with
-// shuffles; columns with more than coop_edges(...) entries are shared by the 8
-// warps of the block and combined in shared memory in a fixed order (no
-// atomics: bitwise deterministic). Units beyond the first 32 of a head
-// (streaming mode) get their grad_values in extra passes over the column.
-// Registers and latency bound this kernel: capped at 128 registers so that
-// two blocks fit; the chunked index loads take one dependent round trip out
-// of every batch. MODE kBwdLean (no a_edge, mask or CSR-order grad_z, no
-// streaming units, one head per lane) compiles without that code to 80
-// registers, so three blocks fit (four in fp32 and bfloat16:
-// bwd_min_blocks). kBwdEdge (softmax_aggregate: a_edge, no a_src or a_dst,
-// grad_z in CSR order, still no mask or streaming units) keeps three blocks
-// (a few bytes spill) and gathers the 8-byte RowInfoLD {lse, delta} per
-// entry and head.
-// Measurements: RESULTS.md.
-//
-// PARTIAL: the split path's partials: block (w, tile) processes both slots
-// of CSC edge window w (window_part) with its 8 warps as for a block-shared
-// column and stores its sums into slot 2w + q of part_acc ([D] grad_values
-// terms, then [H] grad_a_src terms; grad_z is written as usual); the
-// non-partial launch skips those columns and split_sum_kernel
-// adds the partials in window order.
-enum BwdMode { kBwdFull = 0, kBwdLean = 1, kBwdEdge = 2 };
-
-// Resident blocks per SM a backward variant is compiled for (common.h).
-template <typename scalar_t, int MODE, bool PARTIAL>
-constexpr int bwd_min_blocks() {
-  constexpr bool lean = MODE == kBwdLean && !PARTIAL;
-  return MODE == kBwdFull ? kAttnBwdBlocksFull
-         : (lean && sizeof(scalar_t) == 4) ? kAttnBwdBlocksLeanFp32
-         : (lean && std::is_same<scalar_t, at::BFloat16>::value)
-             ? kAttnBwdBlocksLeanBf16
-             : kAttnBwdBlocksLean;
-}
-
-template <typename scalar_t, typename index_t, int V, int KHQ, int MODE,
-          bool PARTIAL>
-__global__ void __launch_bounds__(kBlock,
-                                  (bwd_min_blocks<scalar_t, MODE, PARTIAL>()))
-    attention_bwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
-  using A = acc_t<scalar_t>;
-  constexpr int EB = KHQ == 1 && sizeof(scalar_t) <= 4 ? 4 : 1;
-  __shared__ int64_t s_long[kWarpsPerBlock];
-  __shared__ A s_red[kWarpsPerBlock * kWarp * KHQ * V];
-  const int H = L.H;
-  const int64_t D = static_cast<int64_t>(H) * L.C;
-  constexpr bool EDGE = MODE == kBwdEdge;
-  using RI = std::conditional_t<EDGE, RowInfoLD<A>, RowInfo<A>>;
-  const scalar_t* __restrict__ grad_out = a.grad_out;
-  const RI* __restrict__ rinfo = reinterpret_cast<const RI*>(a.rinfo);
-  // kBwdLean: no per-edge term (a_edge, mask, CSR-order grad_z); kBwdEdge:
-  // no mask. Neither has streaming units: the compiler drops that code and
-  // three blocks fit per SM.
-  const scalar_t* __restrict__ a_edge = MODE == kBwdLean ? nullptr : a.a_edge;
-  const scalar_t* __restrict__ mask = MODE == kBwdFull ? a.mask : nullptr;
-  const bool gz_csr = EDGE || (MODE == kBwdFull && a.gz_csr);
-  const int KC = MODE == kBwdFull ? L.KC : 1;
-  auto col_body = [&](int64_t node, int rank, int nranks, int64_t start,
-                      int64_t end, int64_t slot) {
-    const LaneTile<KHQ> T =
-        decode_tile<KHQ>(L, V, node, static_cast<int>(blockIdx.y), lane_id());
-    const int64_t j = T.row;
-    const scalar_t* __restrict__ v_row = a.values + j * D;
-    A* __restrict__ part = PARTIAL ? a.part_acc + slot * (D + H) : nullptr;
-
-    // The column's CSC entries in chunks of 32 (IdxChunk: row and perm
-    // loaded once per chunk, coalesced), chunks interleaved over the nranks
-    // warps; per batch of ES*EB entries (at most 32 used),
-    // body(i, e, k0, in, ok): lane's entries k = k0 + b*ES + es,
-    // i = row[k], e = perm[k] (0 when nothing per-edge is read or written),
-    // in: k < end, ok: and (i, e) valid. Indices
-    // stay index_t (registers bound this kernel). The trip counts are
-    // warp-uniform (shuffles inside and in body).
-    const int batch = T.ES * EB;
-    const bool need_e = a_edge != nullptr || mask != nullptr || gz_csr;
-    auto walk = [&](auto&& body) {
-      for (int64_t c0 = start + rank * kWarp; c0 < end; c0 += kWarp * nranks) {
-        IdxChunk<index_t> ci, ce;
-        ci.load(a.row_t, c0, end);
-        ce.v = index_t(0);  // perm only when a per-edge term needs it
-        if (need_e) ce.load(a.perm, c0, end);
-        const int cnt = static_cast<int>(end - c0 < kWarp ? end - c0 : kWarp);
-        for (int q = 0; q < cnt; q += batch) {
-          index_t i[EB], e[EB];
-          bool in[EB], ok[EB];
-#pragma unroll
-          for (int b = 0; b < EB; ++b) {
-            const int sl = q + b * T.ES + T.es;
-            in[b] = sl < cnt;
-            i[b] = ci.get(sl);
-            e[b] = ce.get(sl);
-            ok[b] = in[b] && i[b] >= 0 && i[b] < a.N && e[b] >= 0 && e[b] < a.E;
-          }
-          body(i, e, c0 + q, in, ok);
-        }
-      }
-    };
-    // Per-(edge, head) terms of a batch: row info, a_edge, mask.
-    auto load_terms = [&](const index_t (&i)[EB], const index_t (&e)[EB],
-                          const bool (&ok)[EB], RI (&ri)[EB][KHQ],
-                          A (&ae)[EB][KHQ], A (&mk)[EB][KHQ]) {
-#pragma unroll
-      for (int b = 0; b < EB; ++b)
-#pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh) {
-          const bool use = ok[b] && T.hok[kh];
-          const int h = T.h[kh];
-          if (use)
-            ri[b][kh] = rinfo[static_cast<int64_t>(i[b]) * H + h];
-          else
-            row_none(ri[b][kh]);
-          const int64_t eh = static_cast<int64_t>(e[b]) * H + h;
-          ae[b][kh] = (use && a_edge != nullptr) ? to_acc(a_edge[eh]) : A(0);
-          mk[b][kh] = (use && mask != nullptr) ? to_acc(mask[eh]) : A(1);
-        }
-    };
-
-    A asrc[KHQ], vj[KHQ][V], acc[KHQ][V], gsrc[KHQ][1];
-#pragma unroll
-    for (int kh = 0; kh < KHQ; ++kh) {
-      asrc[kh] = (!EDGE && a.a_src != nullptr && T.hok[kh])
-                     ? to_acc(a.a_src[j * H + T.h[kh]])
-                     : A(0);
-      gsrc[kh][0] = A(0);
-      const Vec<scalar_t, V> r = T.uok[kh]
-                                     ? load_vec<scalar_t, V>(v_row + T.uoff[kh])
-                                     : zero_vec<scalar_t, V>();
-#pragma unroll
-      for (int v = 0; v < V; ++v) {
-        vj[kh][v] = vec_get(r, v);
-        acc[kh][v] = A(0);
-      }
-    }
-
-    walk([&](const index_t (&i)[EB], const index_t (&e)[EB], int64_t k0,
-             const bool (&wr)[EB], const bool (&ok)[EB]) {
-      RI ri[EB][KHQ];
-      A ae[EB][KHQ], mk[EB][KHQ];
-      load_terms(i, e, ok, ri, ae, mk);
-      Vec<scalar_t, V> raw[EB][KHQ];
-#pragma unroll
-      for (int b = 0; b < EB; ++b)
-#pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh)
-          raw[b][kh] =
-              (ok[b] && T.uok[kh])
-                  ? load_vec<scalar_t, V>(grad_out + static_cast<int64_t>(i[b]) * D + T.uoff[kh])
-                  : zero_vec<scalar_t, V>();
-      A dot[EB][KHQ];
-#pragma unroll
-      for (int b = 0; b < EB; ++b)
-#pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh) {
-          A d = A(0);
-#pragma unroll
-          for (int v = 0; v < V; ++v) d += vec_get(raw[b][kh], v) * vj[kh][v];
-          dot[b][kh] = d;
-        }
-      for (int kc = 1; kc < KC; ++kc) {  // streaming mode only
-        const int c = T.cl + 32 * kc;
-        if (c < L.CU && T.hok[0]) {
-          const int64_t off = static_cast<int64_t>(T.h[0]) * L.C +
-                              static_cast<int64_t>(c) * V;
-          const Vec<scalar_t, V> r = load_vec<scalar_t, V>(v_row + off);
-#pragma unroll
-          for (int b = 0; b < EB; ++b) {
-            if (!ok[b]) continue;
-            const Vec<scalar_t, V> g =
-                load_vec<scalar_t, V>(grad_out + static_cast<int64_t>(i[b]) * D + off);
-#pragma unroll
-            for (int v = 0; v < V; ++v)
-              dot[b][0] += vec_get(g, v) * vec_get(r, v);
-          }
-        }
-      }
-#pragma unroll
-      for (int b = 0; b < EB; ++b)
-#pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh) dot[b][kh] = xor_sum(dot[b][kh], 1, T.LH);
-#pragma unroll
-      for (int b = 0; b < EB; ++b) {
-#pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh) {
-          A z;
-          bool fin;
-          const A alpha = bwd_alpha(asrc[kh], ri[b][kh], ae[b][kh], a.slope, z, fin);
-          const A gs = alpha * (mk[b][kh] * dot[b][kh] - ri[b][kh].delta);
-          const A gzv = fin ? (z > A(0) ? gs : gs * a.slope) : A(0);
-          if (wr[b] && T.hok[kh] && T.cl == 0) {
-            const int64_t pos =
-                gz_csr ? (ok[b] ? static_cast<int64_t>(e[b]) : -1)
-                         : k0 + b * T.ES + T.es;
-            if (pos >= 0) a.gz[pos * H + T.h[kh]] = from_acc<scalar_t>(gzv);
-          }
-          gsrc[kh][0] += gzv;
-          const A p = alpha * mk[b][kh];
-#pragma unroll
-          for (int v = 0; v < V; ++v) acc[kh][v] += p * vec_get(raw[b][kh], v);
-        }
-      }
-    });
-    reduce_edge_slots<V, KHQ>(T, acc);
-    reduce_edge_slots<1, KHQ>(T, gsrc);
-    if (nranks > 1) {
-      block_sum<V, KHQ>(acc, s_red, rank, nranks);
-      block_sum<1, KHQ>(gsrc, s_red, rank, nranks);
-    }
-    if (rank == 0) {
-      if (PARTIAL)
-        store_partial<V, KHQ>(T, acc, part);
-      else
-        store_units<V, KHQ>(T, acc, a.gvalues + j * D);
-#pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh)
-        if (T.es == 0 && T.cl == 0 && T.hok[kh]) {
-          if (PARTIAL)
-            part[D + T.h[kh]] = gsrc[kh][0];
-          else
-            a.gsrc[j * H + T.h[kh]] = from_acc<scalar_t>(gsrc[kh][0]);
-        }
-    }
-
-    // Streaming mode: grad_values of units cl + 32*kc, one pass each.
-    for (int kc = 1; kc < KC; ++kc) {
-      const int c = T.cl + 32 * kc;
-      const bool uk = c < L.CU && T.hok[0];
-      const int64_t off =
-          static_cast<int64_t>(T.h[0]) * L.C + static_cast<int64_t>(c) * V;
-      A acc2[1][V];
-      zero_acc<V, 1>(acc2);
-      walk([&](const index_t (&i)[EB], const index_t (&e)[EB], int64_t,
-               const bool (&)[EB], const bool (&ok)[EB]) {
-        RI ri[EB][KHQ];
-        A ae[EB][KHQ], mk[EB][KHQ];
-        load_terms(i, e, ok, ri, ae, mk);
-#pragma unroll
-        for (int b = 0; b < EB; ++b) {
-          if (!ok[b] || !uk) continue;
-          A z;
-          bool fin;
-          const A p = bwd_alpha(asrc[0], ri[b][0], ae[b][0], a.slope, z, fin) *
-                      mk[b][0];
-          const Vec<scalar_t, V> g =
-              load_vec<scalar_t, V>(grad_out + static_cast<int64_t>(i[b]) * D + off);
-#pragma unroll
-          for (int v = 0; v < V; ++v) acc2[0][v] += p * vec_get(g, v);
-        }
-      });
-      if (nranks > 1) block_sum<V, 1>(acc2, s_red, rank, nranks);
-      if (rank == 0 && uk) {
-        if (PARTIAL) {
-#pragma unroll
-          for (int v = 0; v < V; ++v) part[off + v] = acc2[0][v];
-        } else {
-          Vec<scalar_t, V> o = zero_vec<scalar_t, V>();
-#pragma unroll
-          for (int v = 0; v < V; ++v) vec_set(o, v, acc2[0][v]);
-          store_vec<scalar_t, V>(a.gvalues + j * D + off, o);
-        }
-      }
-    }
-  };
-  if (PARTIAL) {
-    const int64_t w = blockIdx.x;
-    for (int q = 0; q < 2; ++q) {
-      int64_t node, s, t;
-      if (!window_part(a.sp, a.colptr, a.E, w, q, node, s, t)) continue;
-      col_body(node, static_cast<int>(threadIdx.x >> 5), kWarpsPerBlock, s, t,
-               2 * w + q);
-    }
-  } else {
-    run_rows(a.colptr, a.Ns, a.E, a.coop, a.sp.split, s_long,
-             [&](int64_t node, int rank, int nranks) {
-      int64_t start, end;
-      row_range(a.colptr, node, a.E, start, end);
-      col_body(node, rank, nranks, start, end, 0);
-    });
-  }
-}
-
-// Inputs shared by the forward and backward launches (outputs set by each).
-template <typename scalar_t, typename index_t>
-AttnArgs<scalar_t, index_t> attn_args(const at::Tensor& rowptr,
-                                      const at::Tensor& col,
-                                      const at::Tensor& a_src,
-                                      const at::Tensor& a_dst,
-                                      const at::Tensor& a_edge,
-                                      const at::Tensor& mask,
-                                      const at::Tensor& values,
-                                      const at::Tensor& bias, double slope) {
-  AttnArgs<scalar_t, index_t> a{};
-  a.rowptr = rowptr.data_ptr<index_t>();
-  a.col = col.data_ptr<index_t>();
-  a.a_src = opt_ptr<scalar_t>(a_src);
-  a.a_dst = opt_ptr<scalar_t>(a_dst);
-  a.a_edge = opt_ptr<scalar_t>(a_edge);
-  a.mask = opt_ptr<scalar_t>(mask);
-  a.values = values.data_ptr<scalar_t>();
-  a.bias = opt_ptr<scalar_t>(bias);
-  a.N = rowptr.numel() - 1;
-  a.E = col.numel();
-  a.Ns = values.size(0);
-  a.slope = static_cast<acc_t<scalar_t>>(slope);
-  return a;
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_cuda(
@@ -800,19 +398,30 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
             : (a.a_src != nullptr && a.a_edge == nullptr)  ? kFwdSrc
             : (a.a_src == nullptr && a.a_edge != nullptr)  ? kFwdEdge
                                                            : kFwdAny;
-        if constexpr (KHQ == 1) {
-          if (terms == kFwdSrc)
-            attention_fwd_kernel<scalar_t, index_t, V, KHQ, kFwdSrc>
-                <<<grid, kBlock, 0, stream>>>(a, L);
-          else if (terms == kFwdEdge)
-            attention_fwd_kernel<scalar_t, index_t, V, KHQ, kFwdEdge>
-                <<<grid, kBlock, 0, stream>>>(a, L);
-          else
-            attention_fwd_kernel<scalar_t, index_t, V, KHQ, kFwdAny>
-                <<<grid, kBlock, 0, stream>>>(a, L);
-        } else {
-          attention_fwd_kernel<scalar_t, index_t, V, KHQ, kFwdAny>
+        constexpr int EB = edge_batch<KHQ, V, scalar_t>();
+        // OWN: edges of a batch whose weights a lane computes (EB: all;
+        // 1 when a head has at least EB lanes to share them).
+        auto launch = [&](auto terms_c, auto own) {
+          attention_fwd_kernel<scalar_t, index_t, V, KHQ,
+                               decltype(terms_c)::value, decltype(own)::value>
               <<<grid, kBlock, 0, stream>>>(a, L);
+        };
+        if constexpr (KHQ == 1) {
+          auto by_own = [&](auto terms_c) {
+            if (owner_lanes(kOwnerLanesFwd) && (1 << L.lh_log) >= EB)
+              launch(terms_c, std::integral_constant<int, 1>());
+            else
+              launch(terms_c, std::integral_constant<int, EB>());
+          };
+          if (terms == kFwdSrc)
+            by_own(std::integral_constant<int, kFwdSrc>());
+          else if (terms == kFwdEdge)
+            by_own(std::integral_constant<int, kFwdEdge>());
+          else
+            by_own(std::integral_constant<int, kFwdAny>());
+        } else {
+          launch(std::integral_constant<int, kFwdAny>(),
+                 std::integral_constant<int, EB>());
         }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
@@ -824,138 +433,10 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
-    const at::Tensor& rowptr_in, const at::Tensor& col_in,
-    const at::Tensor& colptr_in, const at::Tensor& row_in,
-    const at::Tensor& perm_in, const c10::optional<at::Tensor>& a_src_in,
-    const c10::optional<at::Tensor>& a_dst_in,
-    const c10::optional<at::Tensor>& a_edge_in,
-    const c10::optional<at::Tensor>& mask_in, const at::Tensor& values_in,
-    double negative_slope, const at::Tensor& out_in, const at::Tensor& lse_in,
-    const at::Tensor& grad_out_in, bool grad_z_csr,
-    const c10::optional<at::Tensor>& bias_in) {
-  check_attention_backward(rowptr_in, col_in, colptr_in, row_in, perm_in,
-                           a_src_in, a_dst_in, a_edge_in, mask_in, values_in,
-                           out_in, lse_in, grad_out_in, bias_in);
-  c10::cuda::CUDAGuard guard(values_in.device());
-  const at::Tensor rowptr = rowptr_in.contiguous();
-  const at::Tensor col = col_in.contiguous();
-  const at::Tensor colptr = colptr_in.contiguous();
-  const at::Tensor row_t = row_in.contiguous();
-  const at::Tensor perm = perm_in.contiguous();
-  const at::Tensor values = values_in.contiguous();
-  const at::Tensor fout = out_in.contiguous();
-  const at::Tensor lse = lse_in.contiguous();
-  const at::Tensor grad_out = grad_out_in.contiguous();
-  const at::Tensor a_src = opt_contig(a_src_in), a_dst = opt_contig(a_dst_in),
-                   a_edge = opt_contig(a_edge_in), mask = opt_contig(mask_in),
-                   bias = opt_contig(bias_in);
-  const int64_t N = rowptr.numel() - 1;
-  const int64_t E = col.numel();
-  const int64_t Ns = values.size(0), H = values.size(1), C = values.size(2);
-  at::Tensor gvalues = at::empty({Ns, H, C}, values.options());
-  at::Tensor gz = at::empty({E, H}, values.options());  // tail zeroed in-kernel
-  at::Tensor gsrc = at::empty({Ns, H}, values.options());
-  if (Ns * H == 0) return {gvalues, gz.zero_(), gsrc};
-  // RowInfo [N, H] as raw bytes (4 accumulators each; the kBwdEdge launch
-  // uses the first half as RowInfoLD).
-  at::Tensor rinfo = at::empty({std::max<int64_t>(N * H, 1), 4}, lse.options());
-  PFA_DISPATCH_FLOATS(values.scalar_type(), "attention_backward_cuda", [&] {
-    PFA_DISPATCH_INDEX(rowptr.scalar_type(), "attention_backward_cuda", [&] {
-      using A = acc_t<scalar_t>;
-      auto a = attn_args<scalar_t, index_t>(rowptr, col, a_src, a_dst, a_edge,
-                                            mask, values, bias, negative_slope);
-      a.colptr = colptr.data_ptr<index_t>();
-      a.row_t = row_t.data_ptr<index_t>();
-      a.perm = perm.data_ptr<index_t>();
-      a.lse = lse.data_ptr<A>();
-      a.rinfo = reinterpret_cast<RowInfo<A>*>(rinfo.data_ptr<A>());
-      a.grad_out = grad_out.data_ptr<scalar_t>();
-      a.gvalues = gvalues.data_ptr<scalar_t>();
-      a.gz = gz.data_ptr<scalar_t>();
-      a.gsrc = gsrc.data_ptr<scalar_t>();
-      a.gz_csr = grad_z_csr;
-      constexpr int VW = vec_width<scalar_t>();
-      const bool vec = C % VW == 0 && aligned16(a.values) &&
-                       aligned16(fout.data_ptr()) && aligned16(a.grad_out) &&
-                       aligned16(a.gvalues) &&
-                       (a.bias == nullptr || aligned16(a.bias));
-      auto stream = at::cuda::getCurrentCUDAStream();
-      const int64_t blocks =
-          std::min<int64_t>(ceil_div(std::max<int64_t>(N * H, E * H), kBlock),
-                            int64_t(num_sms()) * 16);
-      auto prologue = [&](auto v, auto compact) {
-        const int G = next_pow2(
-            std::min<int64_t>(ceil_div(C, int64_t(decltype(v)::value)), kWarp));
-        bwd_prologue_kernel<scalar_t, index_t, decltype(v)::value,
-                            decltype(compact)::value>
-            <<<std::max<int64_t>(blocks, 1), kBlock, 0, stream>>>(
-                a, fout.data_ptr<scalar_t>(), static_cast<int>(H), C, G);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      };
-      const TileLayout L = make_layout(H, C, vec ? VW : 1, false);
-      // The lean modes: one head per lane, no mask or streaming units.
-      // kBwdEdge (softmax_aggregate) reads RowInfoLD, written by its prologue.
-      const bool lean = vec && L.khq == 1 && L.KC == 1 && !mask.defined();
-      const bool edge = lean && grad_z_csr && !a_src.defined() &&
-                        !a_dst.defined();
-      if (edge)
-        prologue(std::integral_constant<int, VW>(), std::true_type());
-      else if (vec)
-        prologue(std::integral_constant<int, VW>(), std::false_type());
-      else
-        prologue(std::integral_constant<int, 1>(), std::false_type());
-      const dim3 grid = row_grid(Ns, L.n_tiles);
-      a.coop = coop_edges(Ns, L.n_tiles);
-      at::Tensor win, part;
-      a.sp = make_split(a.colptr, Ns, E, values.options(), win, split_plan(),
-                        length_hint().cols);
-      const dim3 pgrid(static_cast<unsigned>(std::max<int64_t>(a.sp.nwin, 1)),
-                       grid.y);
-      if (a.sp.nwin > 0) {
-        part = at::empty({2 * a.sp.nwin, H * C + H}, lse.options());
-        a.part_acc = part.data_ptr<A>();
-      }
-      auto launch_lean = [&](auto mode) {
-        constexpr int M = decltype(mode)::value;
-        if (a.sp.nwin > 0) {
-          attention_bwd_kernel<scalar_t, index_t, VW, 1, M, true>
-              <<<pgrid, kBlock, 0, stream>>>(a, L);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        }
-        attention_bwd_kernel<scalar_t, index_t, VW, 1, M, false>
-            <<<grid, kBlock, 0, stream>>>(a, L);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
-      };
-      if (lean && !grad_z_csr && !a_edge.defined()) {
-        launch_lean(std::integral_constant<int, kBwdLean>());
-      } else if (edge) {
-        launch_lean(std::integral_constant<int, kBwdEdge>());
-      } else {
-        dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
-          constexpr int V = decltype(v)::value, KHQ = decltype(k)::value;
-          if (a.sp.nwin > 0) {
-            attention_bwd_kernel<scalar_t, index_t, V, KHQ, kBwdFull, true>
-                <<<pgrid, kBlock, 0, stream>>>(a, L);
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
-          }
-          attention_bwd_kernel<scalar_t, index_t, V, KHQ, kBwdFull, false>
-              <<<grid, kBlock, 0, stream>>>(a, L);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-        });
-      }
-      launch_split_sum<scalar_t, index_t>(a.sp, a.colptr, E, a.part_acc,
-                                          H * C + H, H * C, a.gvalues, a.gsrc);
-    });
-  });
-  return {gvalues, gz, gsrc};
-}
-
 }  // namespace
 }  // namespace cuda
 }  // namespace pyg_fastattn
 
 TORCH_LIBRARY_IMPL(pyg_fastattn, CUDA, m) {
   m.impl("attention", &pyg_fastattn::cuda::attention_cuda);
-  m.impl("attention_backward", &pyg_fastattn::cuda::attention_backward_cuda);
 }

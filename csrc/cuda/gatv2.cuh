@@ -107,14 +107,14 @@ __device__ __forceinline__ A head_sum(A v, int g_log) {
   return xor_sum(v, 1, 1 << g_log);
 }
 
-// idx[p + lane] (or -1 past end): the warp reads 32 edge indices with one
-// coalesced load and hands them out by shuffle, so that no edge waits on
-// its own index load.
-template <typename index_t>
-__device__ __forceinline__ int64_t batch_load(const index_t* __restrict__ idx,
-                                              int64_t p, int64_t end,
-                                              int lane) {
-  return p + lane < end ? static_cast<int64_t>(idx[p + lane]) : int64_t(-1);
+// idx[p + lane] (or -1 past end) as an R: the warp reads 32 edge indices
+// with one coalesced load and hands them out by shuffle, so that no edge
+// waits on its own index load (R = index_t: one shuffle a hand-out for
+// int32 indices).
+template <typename R = int64_t, typename index_t>
+__device__ __forceinline__ R batch_load(const index_t* __restrict__ idx,
+                                        int64_t p, int64_t end, int lane) {
+  return p + lane < end ? static_cast<R>(idx[p + lane]) : R(-1);
 }
 
 template <typename scalar_t, typename index_t>
@@ -150,6 +150,7 @@ struct Gatv2Args {
   scalar_t* g_e;          // [E, H, C] or nullptr
   // split path (utils.cuh): long rows (sp, CSR) and long columns (spc, CSC)
   SplitArgs sp, spc;
+  int stages;   // ASYNC kernels: stages of a warp's ring (ring_stages)
   A* part_acc;  // [2 * sp.nwin, H * C]: forward sums / backward grad_x_r
   A* part_ms;   // [2 * sp.nwin, H, 2]: forward (max, sum)
   A* part_c;    // [2 * spc.nwin, H * C]: backward grad_x_l (DOT: [.., 2HC],
@@ -243,6 +244,171 @@ __device__ __forceinline__ void gather_edges(
   }
 }
 
+// ---------------------------------------------------------------------------
+// Asynchronous gathers (ASYNC kernels: one or four slots a lane, UB-byte
+// units). Each warp has a ring of ns >= 2 stages (ring_stages, launch_plan)
+// in shared memory.
+// A stage holds, for each lane, nu units (the rows of one edge), the edge's
+// tag (int64; -1: skip the edge) and nf floats; a lane writes and reads
+// only its own places, so no lane waits for another.
+template <int UB>
+struct Ring {
+  unsigned char* base;  // the warp's first stage
+  int nu, sb, ns;       // units a stage, bytes a stage, stages
+  static constexpr int stage_bytes(int nu, int nf) {
+    return kWarp * (nu * UB + 8 + nf * 4);
+  }
+  // Shared memory of a block's rings.
+  static size_t block_bytes(int ns, int nu, int nf) {
+    return static_cast<size_t>(kWarpsPerBlock) * ns * stage_bytes(nu, nf);
+  }
+  __device__ Ring(unsigned char* smem, int rank, int ns_, int nu_, int nf)
+      : nu(nu_), sb(stage_bytes(nu_, nf)), ns(ns_) {
+    base = smem + static_cast<size_t>(rank) * ns * sb;
+  }
+  __device__ unsigned char* unit(int s, int u, int lane) const {
+    return base + s * sb + (u * kWarp + lane) * UB;
+  }
+  __device__ int64_t* tag(int s, int lane) const {
+    return reinterpret_cast<int64_t*>(base + s * sb + nu * kWarp * UB) + lane;
+  }
+  __device__ float* flt(int s, int k, int lane) const {
+    return reinterpret_cast<float*>(base + s * sb + nu * kWarp * UB +
+                                    kWarp * 8) + k * kWarp + lane;
+  }
+};
+
+// A lane's copy of its unit of row + off (none for an unused slot, off < 0),
+// and the unit read back (zeros for an unused slot, as load_slot).
+template <typename T, int V>
+__device__ __forceinline__ void ring_copy(unsigned char* dst,
+                                          const T* __restrict__ row,
+                                          int64_t off) {
+  if (off >= 0) cp_async<static_cast<int>(sizeof(T)) * V>(dst, row + off);
+}
+
+template <typename T, int V>
+__device__ __forceinline__ void ring_slot(const unsigned char* src,
+                                          int64_t off, acc_t<T> (&x)[V]) {
+  load_slot<T, V>(reinterpret_cast<const T*>(src), off >= 0 ? 0 : -1, x);
+}
+
+// cp_async_wait<n>() for a run-time n (n > 7: wait for all).
+__device__ __forceinline__ void cp_async_wait_n(int n) {
+  switch (n) {
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    case 3: cp_async_wait<3>(); break;
+    case 4: cp_async_wait<4>(); break;
+    case 5: cp_async_wait<5>(); break;
+    case 6: cp_async_wait<6>(); break;
+    case 7: cp_async_wait<7>(); break;
+    default: cp_async_wait<0>();
+  }
+}
+
+// Walks positions [start, end) of a warp through a ring of ns stages:
+// fetch(p, s) issues the copies of position p into stage s, in order of p
+// and D = ns - 1 positions ahead of body(p, s), which reads stage s. Each
+// position has its own commit group (empty ones included), so the wait
+// before body(p) waits for p's copies only. Position p + D is fetched into
+// the stage of p - 1, whose body has already read it.
+template <typename Fetch, typename Body>
+__device__ __forceinline__ void async_walk(int ns, int64_t start, int64_t end,
+                                           Fetch&& fetch, Body&& body) {
+  const int D = ns - 1;
+  for (int k = 0; k < D; ++k) {
+    if (start + k < end) fetch(start + k, k);
+    cp_async_commit();
+  }
+  int s = 0;
+  for (int64_t p = start; p < end; ++p) {
+    cp_async_wait_n(D - 1);
+    if (p + D < end) fetch(p + D, s == 0 ? D : s - 1);
+    cp_async_commit();
+    body(p, s);
+    s = s == D ? 0 : s + 1;
+  }
+}
+
+// Walks the edges [start, end) of a destination row (forward and backward
+// destination pass): edge(e, xl, v, et) for each edge whose source j is in
+// range, with xl = x_l[j] (DOT: key[j]), v = value[j] (DOT) and et =
+// edge_term[e] (has_et); skip(e) for the others. ASYNC: through the warp's
+// ring in ring_smem ((1 + DOT + has_et) * S units); the warp's 32-edge
+// index batches are loaded one batch ahead. Otherwise kGatv2EdgeBatch edges
+// at a time (gather_edges).
+template <bool ASYNC, bool DOT, int V, typename scalar_t, typename index_t,
+          int S, typename Edge, typename Skip>
+__device__ __forceinline__ void walk_sources(
+    const Gatv2Args<scalar_t, index_t>& a, const int64_t (&off)[S],
+    int64_t HC, int64_t start, int64_t end, int lane, int rank, bool has_et,
+    unsigned char* ring_smem, Edge&& edge, Skip&& skip) {
+  using A = acc_t<scalar_t>;
+  if constexpr (ASYNC) {
+    constexpr int UB = static_cast<int>(sizeof(scalar_t)) * V;
+    const Ring<UB> ring(ring_smem, rank, a.stages,
+                        (1 + DOT + (has_et ? 1 : 0)) * S, 0);
+    const int ue = (1 + DOT) * S;  // edge_term's first unit
+    index_t jb = 0, jn = batch_load<index_t>(a.col, start, end, lane);
+    auto fetch = [&](int64_t p, int s) {
+      const int kb = static_cast<int>((p - start) & (kWarp - 1));
+      if (kb == 0) {
+        jb = jn;
+        jn = batch_load<index_t>(a.col, p + kWarp, end, lane);
+      }
+      int64_t j = static_cast<int64_t>(__shfl_sync(kFullMask, jb, kb));
+      if (j >= a.Ns) j = -1;
+      *ring.tag(s, lane) = j;
+      if (j < 0) return;  // warp-uniform
+#pragma unroll
+      for (int t = 0; t < S; ++t) {
+        ring_copy<scalar_t, V>(ring.unit(s, t, lane), a.x_l + j * HC, off[t]);
+        if (DOT)
+          ring_copy<scalar_t, V>(ring.unit(s, S + t, lane), a.value + j * HC,
+                                 off[t]);
+        if (has_et)
+          ring_copy<scalar_t, V>(ring.unit(s, ue + t, lane),
+                                 a.edge_term + p * HC, off[t]);
+      }
+    };
+    auto body = [&](int64_t p, int s) {
+      if (*ring.tag(s, lane) < 0) {  // warp-uniform
+        skip(p);
+        return;
+      }
+      A xl[S][V], vv[S][V], et[S][V];
+#pragma unroll
+      for (int t = 0; t < S; ++t) {
+        ring_slot<scalar_t, V>(ring.unit(s, t, lane), off[t], xl[t]);
+        if (DOT) ring_slot<scalar_t, V>(ring.unit(s, S + t, lane), off[t], vv[t]);
+        if (has_et)
+          ring_slot<scalar_t, V>(ring.unit(s, ue + t, lane), off[t], et[t]);
+      }
+      edge(p, xl, vv, et);
+    };
+    async_walk(ring.ns, start, end, fetch, body);
+  } else {
+    constexpr int B = kGatv2EdgeBatch;
+    for (int64_t e0 = start, jb = 0; e0 < end; e0 += B) {
+      const int kb = static_cast<int>((e0 - start) & (kWarp - 1));
+      if (kb == 0) jb = batch_load(a.col, e0, end, lane);
+      int64_t jv[B];
+      A xlb[B][S][V], vb[B][S][V], etb[B][S][V];
+      gather_edges<B, DOT>(a, off, HC, e0, kb, jb, has_et, jv, xlb, vb, etb);
+#pragma unroll
+      for (int b = 0; b < B; ++b) {
+        const int64_t e = e0 + b;
+        if (e >= end) break;
+        if (jv[b] < 0) {  // warp-uniform
+          skip(e);
+          continue;
+        }
+        edge(e, xlb[b], vb[b], etb[b]);
+      }
+    }
+  }
+}
 
 // ---------------------------------------------------------------------------
 // Split path. A kernel's grid.x holds `row_blocks` blocks of rows (warp per
@@ -266,6 +432,11 @@ __device__ __forceinline__ void warp_part(int64_t s, int64_t t, int rank,
 template <typename A, int S, int V, int NKH>
 constexpr size_t merge_smem() {
   return sizeof(A) * kWarp * (S * V + 2 * NKH);
+}
+
+// Offset of the rings (ASYNC kernels) after the merge space.
+__host__ __device__ constexpr size_t ring_offset(size_t merge) {
+  return (merge + 15) / 16 * 16;
 }
 
 // x of warps 1..7 added into warp 0's x, in warp order (all threads of the
@@ -390,7 +561,8 @@ inline Gatv2Plan make_plan(int64_t H, int64_t C, int V) {
             " channels per head for this dtype and alignment on CUDA, got ", C);
   if (L.KC == 1) {
     const int64_t need = ceil_div(H, HS);
-    L.KH = static_cast<int>(std::min<int64_t>(kGatv2LaneSlots, std::max<int64_t>(need, 1)));
+    L.KH = static_cast<int>(
+        std::min<int64_t>(gatv2_lane_slots(), std::max<int64_t>(need, 1)));
     P.heads = true;
     P.S = L.KH == 1 ? 1 : 4;
   } else {
@@ -404,24 +576,125 @@ inline Gatv2Plan make_plan(int64_t H, int64_t C, int V) {
   return P;
 }
 
-// Calls f(V, S, HEADS) with compile-time constants.
+// Calls f(V, S, HEADS, ASYNC) with compile-time constants (ASYNC: async,
+// which ring_stages allows only for one or four slots).
 template <typename scalar_t, typename F>
-inline void dispatch_plan(bool vec, const Gatv2Plan& P, F&& f) {
+inline void dispatch_plan(bool vec, const Gatv2Plan& P, bool async, F&& f) {
   constexpr int VW = gatv2_vec<scalar_t>();
+  using no = std::false_type;
   auto with_v = [&](auto v) {
     if (P.S == 1)
-      f(v, std::integral_constant<int, 1>(), std::true_type());
+      f(v, std::integral_constant<int, 1>(), std::true_type(), no());
     else if (P.S == 4 && P.heads)
-      f(v, std::integral_constant<int, 4>(), std::true_type());
+      f(v, std::integral_constant<int, 4>(), std::true_type(), no());
     else if (P.S == 4)
-      f(v, std::integral_constant<int, 4>(), std::false_type());
+      f(v, std::integral_constant<int, 4>(), std::false_type(), no());
     else
-      f(v, std::integral_constant<int, 32>(), std::false_type());
+      f(v, std::integral_constant<int, 32>(), std::false_type(), no());
   };
+  if constexpr (sizeof(scalar_t) <= 4) {
+    if (async) {  // S is 1 or 4 (ring_stages)
+      using VC = std::integral_constant<int, VW>;
+      using yes = std::true_type;
+      if (P.S == 1)
+        f(VC(), std::integral_constant<int, 1>(), yes(), yes());
+      else if (P.heads)
+        f(VC(), std::integral_constant<int, 4>(), yes(), yes());
+      else
+        f(VC(), std::integral_constant<int, 4>(), no(), yes());
+      return;
+    }
+  }
   if (vec)
     with_v(std::integral_constant<int, VW>());
   else
     with_v(std::integral_constant<int, 1>());
+}
+
+// Dynamic shared memory of a launch: the window blocks' merge space
+// (merge_smem bytes, when there are windows) and, ASYNC, the rings after
+// it (nu units and nf floats a stage). Over 48 KiB the kernel is allowed
+// that much first.
+template <int UB>
+inline size_t launch_smem(size_t merge, bool windows, bool async, int ns,
+                          int nu, int nf) {
+  if (!async) return windows ? merge : 0;
+  return ring_offset(merge) + Ring<UB>::block_bytes(ns, nu, nf);
+}
+
+template <typename K>
+inline void allow_smem(K kernel, size_t bytes) {
+  if (bytes > 48 * 1024)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(
+        kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        static_cast<int>(bytes)));
+}
+
+// Stages of the asynchronous gathers for a launch of the plan, 0 for none:
+// one or four slots a lane on aligned rows of 32- or 16-bit floats, and
+// gatv2_async() (default: float32 rows of a table of `rows` rows larger
+// than the L2 cache); gatv2_stages() stages, or fewer (at least 2) where
+// the block's rings (nu units a slot and nf floats a head slot a stage)
+// would not fit the shared memory the device grants.
+template <typename scalar_t>
+inline int ring_stages(bool vec, const Gatv2Plan& P, int nu, int nf,
+                       int64_t rows) {
+  if (sizeof(scalar_t) > 4 || !vec || P.S > 4) return 0;
+  const auto* prop = at::cuda::getCurrentDeviceProperties();
+  const bool big = rows * P.L.H * P.L.C * static_cast<int64_t>(sizeof(scalar_t)) >
+                   static_cast<int64_t>(prop->l2CacheSize);
+  if (!gatv2_async(sizeof(scalar_t) == 4 && big)) return 0;
+  using A = acc_t<scalar_t>;
+  constexpr int VW = gatv2_vec<scalar_t>();
+  constexpr int UB = static_cast<int>(sizeof(scalar_t)) * VW;
+  const int nkh = P.heads ? P.S : 1;
+  const size_t merge = P.S == 1   ? merge_smem<A, 1, VW, 1>()
+                       : P.heads ? merge_smem<A, 4, VW, 4>()
+                                 : merge_smem<A, 4, VW, 1>();
+  const size_t limit = prop->sharedMemPerBlockOptin;
+  for (int ns = gatv2_stages(); ns >= 2; --ns)
+    if (launch_smem<UB>(merge, true, true, ns, nu * P.S, nf * nkh) <= limit)
+      return ns;
+  return 0;
+}
+
+// Launches kernel_of(V, S, HEADS, ASYNC) (a generic lambda returning the
+// kernel for those compile-time constants) on `grid` with `args`, with the
+// shared memory it needs: the merge space when the launch has window
+// blocks, and the rings when stages > 0 (ring_stages of the same nu, nf).
+// `stages` (the field of args the kernel reads) is lowered, to 2 at least,
+// while the rings would cost resident blocks that the registers allow.
+template <typename scalar_t, typename KernelOf, typename... Args>
+inline void launch_plan(bool vec, const Gatv2Plan& P, dim3 grid, bool windows,
+                        int& stages, int nu, int nf, KernelOf&& kernel_of,
+                        const Args&... args) {
+  using A = acc_t<scalar_t>;
+  constexpr int VW = gatv2_vec<scalar_t>();
+  constexpr int UB = static_cast<int>(sizeof(scalar_t)) * VW;
+  auto stream = at::cuda::getCurrentCUDAStream();
+  dispatch_plan<scalar_t>(vec, P, stages > 0, [&](auto v, auto s, auto heads, auto as) {
+    constexpr int kV = decltype(v)::value, kS = decltype(s)::value;
+    constexpr bool kH = decltype(heads)::value, kA = decltype(as)::value;
+    constexpr int NKH = Slots<kS, kH>::NKH;
+    auto kernel = kernel_of(v, s, heads, as);
+    auto smem_of = [&](int ns) {
+      return launch_smem<UB>(merge_smem<A, kS, kV, NKH>(), windows, kA, ns,
+                             nu * kS, nf * NKH);
+    };
+    if constexpr (kA) {
+      static const int occ = blocks_per_sm(kernel);
+      const auto* prop = at::cuda::getCurrentDeviceProperties();
+      while (stages > 2 &&
+             static_cast<size_t>(occ) *
+                     (smem_of(stages) + prop->reservedSharedMemPerBlock) >
+                 prop->sharedMemPerMultiprocessor)
+        --stages;
+    }
+    const size_t smem = smem_of(stages);
+    allow_smem(kernel, smem);
+    kernel<<<grid, kBlock, smem, stream>>>(args...);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
 }
 
 template <typename scalar_t, typename index_t>

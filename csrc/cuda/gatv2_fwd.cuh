@@ -25,7 +25,8 @@ namespace {
 // part of a long row the same way; the 8 states are merged
 // (block_merge_softmax) and warp 0 writes the part's (m, den) and
 // unnormalized sums, finished by split_softmax_combine_kernel.
-template <bool DOT, typename scalar_t, typename index_t, int V, int S, bool HEADS>
+template <bool DOT, typename scalar_t, typename index_t, int V, int S,
+          bool HEADS, bool ASYNC>
 __global__ void __launch_bounds__(kBlock)
     gatv2_fwd_kernel(Gatv2Args<scalar_t, index_t> a, Gatv2Layout L,
                      int64_t row_blocks) {
@@ -65,60 +66,51 @@ __global__ void __launch_bounds__(kBlock)
       m[kh] = neg_inf<A>();
       den[kh] = A(0);
     }
-    constexpr int B = kGatv2EdgeBatch;
     const bool has_et = a.edge_term != nullptr;
-    for (int64_t e0 = start, jb = 0; e0 < end; e0 += B) {
-      const int kb = static_cast<int>((e0 - start) & (kWarp - 1));
-      if (kb == 0) jb = batch_load(a.col, e0, end, lane);
-      int64_t jv[B];
-      A xlb[B][S][V], vb[B][S][V], etb[B][S][V];
-      gather_edges<B, DOT>(a, sl.off, HC, e0, kb, jb, has_et, jv, xlb, vb, etb);
+    auto edge = [&](int64_t e, const A (&xl)[S][V], const A (&vv)[S][V],
+                    const A (&et)[S][V]) {
+      A s[NKH];
+      if (DOT) {
+        dot_scores<A, S, V, HEADS, NKH>(xl, xr, et, has_et, a.scale, L.g_log,
+                                        s);
+      } else {
+        A z[S][V];
+        edge_z<A, S, V, HEADS>(xl, xr, et, has_et, z);
+        head_scores<A, S, V, HEADS, NKH>(z, att, a.slope, L.g_log, s);
+      }
+      A scale[NKH], wt[NKH];
 #pragma unroll
-      for (int b = 0; b < B; ++b) {
-        if (jv[b] < 0) continue;  // warp-uniform
-        const int64_t e = e0 + b;
-        const A (&xl)[S][V] = xlb[b];
-        A s[NKH];
-        if (DOT) {
-          dot_scores<A, S, V, HEADS, NKH>(xl, xr, etb[b], has_et, a.scale,
-                                          L.g_log, s);
+      for (int kh = 0; kh < NKH; ++kh) {
+        const A x = s[kh];
+        A p;
+        scale[kh] = A(1);
+        if (x > m[kh]) {  // new maximum: rescale what was summed
+          scale[kh] = pfa_exp(m[kh] - x);
+          m[kh] = x;
+          p = A(1);
+        } else if (x == neg_inf<A>()) {
+          p = A(0);
         } else {
-          A z[S][V];
-          edge_z<A, S, V, HEADS>(xl, xr, etb[b], has_et, z);
-          head_scores<A, S, V, HEADS, NKH>(z, att, a.slope, L.g_log, s);
+          p = pfa_exp(x - m[kh]);  // NaN propagates
         }
-        A scale[NKH], wt[NKH];
+        den[kh] = den[kh] * scale[kh] + p;
+        if (a.mask != nullptr && sl.h[kh] >= 0)
+          p *= to_acc(a.mask[e * H + sl.h[kh]]);
+        wt[kh] = p;
+      }
 #pragma unroll
-        for (int kh = 0; kh < NKH; ++kh) {
-          const A x = s[kh];
-          A p;
-          scale[kh] = A(1);
-          if (x > m[kh]) {  // new maximum: rescale what was summed
-            scale[kh] = pfa_exp(m[kh] - x);
-            m[kh] = x;
-            p = A(1);
-          } else if (x == neg_inf<A>()) {
-            p = A(0);
-          } else {
-            p = pfa_exp(x - m[kh]);  // NaN propagates
-          }
-          den[kh] = den[kh] * scale[kh] + p;
-          if (a.mask != nullptr && sl.h[kh] >= 0)
-            p *= to_acc(a.mask[e * H + sl.h[kh]]);
-          wt[kh] = p;
-        }
+      for (int t = 0; t < S; ++t) {
+        const int kh = head_slot<S, HEADS>(t);
 #pragma unroll
-        for (int t = 0; t < S; ++t) {
-          const int kh = head_slot<S, HEADS>(t);
-#pragma unroll
-          for (int k = 0; k < V; ++k) {
-            const A x = !DOT ? xl[t][k]
-                             : (has_et ? vb[b][t][k] + etb[b][t][k] : vb[b][t][k]);
-            acc[t][k] = acc[t][k] * scale[kh] + wt[kh] * x;
-          }
+        for (int k = 0; k < V; ++k) {
+          const A x = !DOT ? xl[t][k] : (has_et ? vv[t][k] + et[t][k] : vv[t][k]);
+          acc[t][k] = acc[t][k] * scale[kh] + wt[kh] * x;
         }
       }
-    }
+    };
+    walk_sources<ASYNC, DOT, V>(a, sl.off, HC, start, end, lane, rank, has_et,
+                             smem + ring_offset(merge_smem<A, S, V, NKH>()),
+                             edge, [](int64_t) {});
     const bool lead = (lane & ((1 << L.g_log) - 1)) == 0;
     if (part) {
       block_merge_softmax<A, S, V, HEADS, NKH>(m, den, acc,
@@ -177,16 +169,16 @@ void run_forward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
   const int64_t row_blocks = ceil_div(a.N, kWarpsPerBlock);
   const dim3 grid(split_grid_x(row_blocks, a.sp),
                   static_cast<unsigned>(P.L.n_tiles));
-  auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_plan<scalar_t>(vec, P, [&](auto v, auto s, auto heads) {
-    constexpr int kV = decltype(v)::value, kS = decltype(s)::value;
-    constexpr bool kH = decltype(heads)::value;
-    constexpr size_t smem = merge_smem<A, kS, kV, Slots<kS, kH>::NKH>();
-    gatv2_fwd_kernel<DOT, scalar_t, index_t, kV, kS, kH>
-        <<<grid, kBlock, a.sp.nwin > 0 ? smem : 0, stream>>>(a, P.L,
-                                                             row_blocks);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  const int nu = 1 + DOT + (a.edge_term != nullptr);
+  a.stages = ring_stages<scalar_t>(vec, P, nu, 0, a.Ns);
+  launch_plan<scalar_t>(
+      vec, P, grid, a.sp.nwin > 0, a.stages, nu, 0,
+      [](auto v, auto s, auto heads, auto as) {
+        return gatv2_fwd_kernel<DOT, scalar_t, index_t, decltype(v)::value,
+                                decltype(s)::value, decltype(heads)::value,
+                                decltype(as)::value>;
+      },
+      a, P.L, row_blocks);
   launch_split_softmax_combine<scalar_t, index_t>(
       a.sp, a.rowptr, a.E, a.part_acc, a.part_ms, a.bias, H, C, a.out,
       a.lse_out);

@@ -31,8 +31,9 @@ namespace {
 // block's grad_att partial row. Positions outside every row of
 // grad_edge_term are zeroed by a grid-stride loop of the row blocks.
 template <bool DOT, typename scalar_t, typename index_t, int V, int S,
-          bool HEADS>
-__global__ void __launch_bounds__(kBlock)
+          bool HEADS, bool ASYNC>
+__global__ void __launch_bounds__(kBlock,
+                                  ASYNC && S == 1 ? kGatv2AsyncBlocksRows : 0)
     gatv2_bwd_rows_kernel(Gatv2Args<scalar_t, index_t> a, Gatv2Layout L,
                           int64_t row_blocks) {
   using A = acc_t<scalar_t>;
@@ -106,94 +107,85 @@ __global__ void __launch_bounds__(kBlock)
     for (int t = 0; t < S; ++t)
 #pragma unroll
       for (int k = 0; k < V; ++k) gxr[t][k] = A(0);
-    constexpr int B = kGatv2EdgeBatch;
     const bool has_et = a.edge_term != nullptr;
-    for (int64_t e0 = start, jb = 0; e0 < end; e0 += B) {
-      const int kb = static_cast<int>((e0 - start) & (kWarp - 1));
-      if (kb == 0) jb = batch_load(a.col, e0, end, lane);
-      int64_t jv[B];
-      A xlb[B][S][V], vb[B][S][V], etb[B][S][V];
-      gather_edges<B, DOT>(a, sl.off, HC, e0, kb, jb, has_et, jv, xlb, vb, etb);
+    auto skip = [&](int64_t e) {  // no weight: zero outputs
+      if (a.g_e != nullptr) {
+        A zero[V];
 #pragma unroll
-      for (int b = 0; b < B; ++b) {
-        const int64_t e = e0 + b;
-        if (e >= end) break;
-        if (jv[b] < 0) {  // warp-uniform: no weight, zero outputs
-          if (a.g_e != nullptr) {
-            A zero[V];
-#pragma unroll
-            for (int k = 0; k < V; ++k) zero[k] = A(0);
-#pragma unroll
-            for (int t = 0; t < S; ++t)
-              store_slot<scalar_t, V>(a.g_e + e * HC, sl.off[t], zero);
-          }
-          continue;
-        }
-        const A (&xl)[S][V] = xlb[b];
-        if (DOT) {
-          A s[NKH], g[NKH];
-          dot_scores<A, S, V, HEADS, NKH>(xl, xr, etb[b], has_et, a.scale,
-                                          L.g_log, s);
-          head_dots<A, S, V, HEADS, NKH>(go, vb[b], etb[b], has_et, L.g_log, g);
-          A gs[NKH], p[NKH];
-#pragma unroll
-          for (int kh = 0; kh < NKH; ++kh) {
-            gs[kh] = p[kh] = A(0);
-            if (sl.h[kh] >= 0 && is_finite(lse[kh])) {  // else no weight
-              const A alpha = pfa_exp(s[kh] - lse[kh]);
-              const A mk = a.mask != nullptr ? to_acc(a.mask[e * H + sl.h[kh]]) : A(1);
-              p[kh] = alpha * mk;
-              gs[kh] = alpha * (mk * g[kh] - delta[kh]) * a.scale;
-            }
-          }
-#pragma unroll
-          for (int t = 0; t < S; ++t) {
-            const int kh = head_slot<S, HEADS>(t);
-            A ge[V];
-#pragma unroll
-            for (int k = 0; k < V; ++k) {
-              const A kp = has_et ? xl[t][k] + etb[b][t][k] : xl[t][k];
-              gxr[t][k] += gs[kh] * kp;
-              ge[k] = gs[kh] * xr[t][k] + p[kh] * go[t][k];
-            }
-            if (a.g_e != nullptr) store_slot<scalar_t, V>(a.g_e + e * HC, sl.off[t], ge);
-          }
-          continue;
-        }
-        A z[S][V], s[NKH], g[NKH];
-        edge_z<A, S, V, HEADS>(xl, xr, etb[b], has_et, z);
-        head_scores<A, S, V, HEADS, NKH>(z, att, a.slope, L.g_log, s);
-#pragma unroll
-        for (int kh = 0; kh < NKH; ++kh) g[kh] = A(0);
+        for (int k = 0; k < V; ++k) zero[k] = A(0);
 #pragma unroll
         for (int t = 0; t < S; ++t)
-#pragma unroll
-          for (int k = 0; k < V; ++k) g[head_slot<S, HEADS>(t)] += go[t][k] * xl[t][k];
-        A gs[NKH];
+          store_slot<scalar_t, V>(a.g_e + e * HC, sl.off[t], zero);
+      }
+    };
+    auto edge = [&](int64_t e, const A (&xl)[S][V], const A (&vv)[S][V],
+                    const A (&et)[S][V]) {
+      if (DOT) {
+        A s[NKH], g[NKH];
+        dot_scores<A, S, V, HEADS, NKH>(xl, xr, et, has_et, a.scale, L.g_log,
+                                        s);
+        head_dots<A, S, V, HEADS, NKH>(go, vv, et, has_et, L.g_log, g);
+        A gs[NKH], p[NKH];
 #pragma unroll
         for (int kh = 0; kh < NKH; ++kh) {
-          g[kh] = head_sum(g[kh], L.g_log);
-          gs[kh] = A(0);
+          gs[kh] = p[kh] = A(0);
           if (sl.h[kh] >= 0 && is_finite(lse[kh])) {  // else no weight
             const A alpha = pfa_exp(s[kh] - lse[kh]);
             const A mk = a.mask != nullptr ? to_acc(a.mask[e * H + sl.h[kh]]) : A(1);
-            gs[kh] = alpha * (mk * g[kh] - delta[kh]);
+            p[kh] = alpha * mk;
+            gs[kh] = alpha * (mk * g[kh] - delta[kh]) * a.scale;
           }
         }
 #pragma unroll
         for (int t = 0; t < S; ++t) {
-          const A gsv = gs[head_slot<S, HEADS>(t)];
-          A gz[V];
+          const int kh = head_slot<S, HEADS>(t);
+          A ge[V];
 #pragma unroll
           for (int k = 0; k < V; ++k) {
-            gz[k] = leaky_grad(z[t][k], a.slope, gsv * att[t][k]);
-            gxr[t][k] += gz[k];
-            gatt[t][k] += gsv * leaky(z[t][k], a.slope);
+            const A kp = has_et ? xl[t][k] + et[t][k] : xl[t][k];
+            gxr[t][k] += gs[kh] * kp;
+            ge[k] = gs[kh] * xr[t][k] + p[kh] * go[t][k];
           }
-          if (a.g_e != nullptr) store_slot<scalar_t, V>(a.g_e + e * HC, sl.off[t], gz);
+          if (a.g_e != nullptr) store_slot<scalar_t, V>(a.g_e + e * HC, sl.off[t], ge);
+        }
+        return;
+      }
+      A z[S][V], s[NKH], g[NKH];
+      edge_z<A, S, V, HEADS>(xl, xr, et, has_et, z);
+      head_scores<A, S, V, HEADS, NKH>(z, att, a.slope, L.g_log, s);
+#pragma unroll
+      for (int kh = 0; kh < NKH; ++kh) g[kh] = A(0);
+#pragma unroll
+      for (int t = 0; t < S; ++t)
+#pragma unroll
+        for (int k = 0; k < V; ++k) g[head_slot<S, HEADS>(t)] += go[t][k] * xl[t][k];
+      A gs[NKH];
+#pragma unroll
+      for (int kh = 0; kh < NKH; ++kh) {
+        g[kh] = head_sum(g[kh], L.g_log);
+        gs[kh] = A(0);
+        if (sl.h[kh] >= 0 && is_finite(lse[kh])) {  // else no weight
+          const A alpha = pfa_exp(s[kh] - lse[kh]);
+          const A mk = a.mask != nullptr ? to_acc(a.mask[e * H + sl.h[kh]]) : A(1);
+          gs[kh] = alpha * (mk * g[kh] - delta[kh]);
         }
       }
-    }
+#pragma unroll
+      for (int t = 0; t < S; ++t) {
+        const A gsv = gs[head_slot<S, HEADS>(t)];
+        A gz[V];
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          gz[k] = leaky_grad(z[t][k], a.slope, gsv * att[t][k]);
+          gxr[t][k] += gz[k];
+          gatt[t][k] += gsv * leaky(z[t][k], a.slope);
+        }
+        if (a.g_e != nullptr) store_slot<scalar_t, V>(a.g_e + e * HC, sl.off[t], gz);
+      }
+    };
+    walk_sources<ASYNC, DOT, V>(a, sl.off, HC, start, end, lane, rank, has_et,
+                             smem + ring_offset(merge_smem<A, S, V, NKH>()),
+                             edge, skip);
     if (part) {
       block_sum_slots<A, S, V>(gxr, reinterpret_cast<A*>(smem), rank);
       if (rank == 0)
@@ -274,16 +266,17 @@ void run_backward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
   }
   constexpr int VW = gatv2_vec<scalar_t>();
   const Gatv2Plan P = make_plan(H, C, vec ? VW : 1);
-  auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_plan<scalar_t>(vec, P, [&](auto v, auto s, auto heads) {
-    constexpr int kV = decltype(v)::value, kS = decltype(s)::value;
-    constexpr bool kH = decltype(heads)::value;
-    constexpr size_t smem = merge_smem<A, kS, kV, Slots<kS, kH>::NKH>();
-    gatv2_bwd_rows_kernel<DOT, scalar_t, index_t, kV, kS, kH>
-        <<<dim3(split_grid_x(row_blocks, a.sp), P.L.n_tiles), kBlock,
-           a.sp.nwin > 0 ? smem : 0, stream>>>(a, P.L, row_blocks);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  const int nu = 1 + DOT + (a.edge_term != nullptr);
+  a.stages = ring_stages<scalar_t>(vec, P, nu, 0, a.Ns);
+  launch_plan<scalar_t>(
+      vec, P, dim3(split_grid_x(row_blocks, a.sp), P.L.n_tiles),
+      a.sp.nwin > 0, a.stages, nu, 0,
+      [](auto v, auto s, auto heads, auto as) {
+        return gatv2_bwd_rows_kernel<DOT, scalar_t, index_t, decltype(v)::value,
+                                     decltype(s)::value, decltype(heads)::value,
+                                     decltype(as)::value>;
+      },
+      a, P.L, row_blocks);
   launch_split_sum<scalar_t, index_t>(a.sp, a.rowptr, E, a.part_acc, HC, HC,
                                       a.g_r);
   if (Ns > 0) {
@@ -292,6 +285,7 @@ void run_backward(Gatv2Args<scalar_t, index_t>& a, int64_t H, int64_t C,
                                         a.g_l, DOT ? a.g_v : nullptr);
   }
   if (DOT) return;
+  auto stream = at::cuda::getCurrentCUDAStream();
   // grad_att: the partials summed in warp order, in two steps. The row-block
   // warps' rows and the window blocks' rows are chunked apart, so that the
   // grouping of the first does not depend on the number of windows (a

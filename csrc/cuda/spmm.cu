@@ -100,22 +100,7 @@ __global__ void __launch_bounds__(kBlock)
         store_units<V, KHQ>(T, acc, a.out + i * D);
     }
   };
-  if (PARTIAL) {
-    const int64_t w = blockIdx.x;
-    for (int q = 0; q < 2; ++q) {
-      int64_t row, s, t;
-      if (!window_part(a.sp, a.rowptr, a.E, w, q, row, s, t)) continue;
-      body(row, static_cast<int>(threadIdx.x >> 5), kWarpsPerBlock, s, t,
-           2 * w + q);
-    }
-  } else {
-    run_rows(a.rowptr, a.N, a.E, a.coop, a.sp.split, s_long,
-             [&](int64_t row, int rank, int nranks) {
-      int64_t start, end;
-      row_range(a.rowptr, row, a.E, start, end);
-      body(row, rank, nranks, start, end, 0);
-    });
-  }
+  run_rows_or_windows<PARTIAL>(a.sp, a.rowptr, a.N, a.E, a.coop, s_long, body);
 }
 
 // Split path, first part (make_split, utils.cuh): the window partials of

@@ -212,9 +212,67 @@ __device__ __forceinline__ Vec<T, V> zero_vec() {
   return x;
 }
 
+// ---------------------------------------------------------------------------
+// Asynchronous copies of 4, 8 or 16 bytes from global to shared memory
+// (cp.async, sm_80+; before that a plain load and store). A thread waits for
+// its own copies by commit group: cp_async_wait<N>() returns when at most N
+// of its groups are still pending, and the copies of the others are then
+// visible to it.
+template <int Bytes>
+__device__ __forceinline__ void cp_async(void* dst, const void* src) {
+  static_assert(Bytes == 4 || Bytes == 8 || Bytes == 16, "cp.async size");
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  if constexpr (Bytes == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(d),
+                 "l"(src)
+                 : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(d),
+                 "l"(src), "n"(Bytes)
+                 : "memory");
+  }
+#else
+  using W = typename std::conditional<
+      Bytes == 16, uint4,
+      typename std::conditional<Bytes == 8, uint2, uint32_t>::type>::type;
+  *reinterpret_cast<W*>(dst) = *reinterpret_cast<const W*>(src);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 // Elements per 16-byte vector.
 template <typename T> constexpr int vec_width() {
   return static_cast<int>(16 / sizeof(T));
+}
+
+// ---------------------------------------------------------------------------
+// Index checks with one unsigned compare: index_in(x, index_limit<T>(n)) is
+// 0 <= x < n for x of type T (negative x wraps past the limit, which is at
+// most 2^(bits - 1)).
+template <typename index_t>
+__host__ __device__ __forceinline__ std::make_unsigned_t<index_t> index_limit(
+    int64_t n) {
+  constexpr uint64_t half = uint64_t(1) << (8 * sizeof(index_t) - 1);
+  const uint64_t u = n < 0 ? 0 : static_cast<uint64_t>(n);
+  return static_cast<std::make_unsigned_t<index_t>>(u < half ? u : half);
+}
+template <typename index_t>
+__device__ __forceinline__ bool index_in(index_t x,
+                                         std::make_unsigned_t<index_t> lim) {
+  return static_cast<std::make_unsigned_t<index_t>>(x) < lim;
 }
 
 // ---------------------------------------------------------------------------
