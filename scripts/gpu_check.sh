@@ -348,7 +348,9 @@ for ((k = 0; k < n; k++)); do
     [ -n "${shards[$k]:-}" ] || continue
     read -ra sel <<<"${shards[$k]}"
     echo "shard $k: ${sel[*]}"
-    OMP_NUM_THREADS=$(( $(nproc) / n )) python3 -m pytest "${sel[@]}" -q -rfEs --durations=8 -p no:cacheprovider \
+    # shard 0 holds the heaviest file (test_train.py: CPU training runs)
+    thr=$(( $(nproc) / n )); [ $k -eq 0 ] && [ $thr -lt 4 ] && thr=$(( $(nproc) < 4 ? $(nproc) : 4 ))
+    OMP_NUM_THREADS=$thr python3 -m pytest "${sel[@]}" -q -rfEs --durations=8 -p no:cacheprovider \
         >"'"$LOGS"'/tests_$k.part" 2>&1 &
     pids+=($!)
 done
