@@ -11,6 +11,10 @@ and a hash of the sources, so later imports just load it.
   ``~/.cache/pyg_fastattn``); ``PYG_FASTATTN_VERBOSE=1`` shows the compiler.
 * ``PYG_FASTATTN_CUDA=0`` skips the CUDA kernels even when nvcc is found.
 
+A build prints one line when it starts and, every 30 seconds, how many of
+its source files are compiled (``PYG_FASTATTN_VERBOSE=1`` shows the compiler
+instead).
+
 Concurrent builds are serialized with an ``flock`` on the cache folder (it is
 released by the OS if a process dies), so two processes importing at once
 both end up loading one good build.
@@ -22,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import threading
+import time
 import warnings
 from pathlib import Path
 from typing import List, Optional
@@ -126,6 +131,26 @@ def _build_dir(root: Path, srcs: List[str], with_cuda: bool, flags) -> Path:
     return Path(base) / f'torch{torch.__version__}-{tag}-{h.hexdigest()[:12]}'
 
 
+class _Progress(threading.Thread):
+    """While a build runs: every ``interval`` seconds, one stderr line with
+    the object files in ``bdir`` out of ``total`` sources (ninja writes an
+    object when its file is compiled)."""
+    def __init__(self, bdir: Path, total: int, interval: float = 30.0):
+        super().__init__(daemon=True)
+        self.bdir, self.total, self.interval = bdir, total, interval
+        self.stop = threading.Event()
+        self.t0 = time.monotonic()
+
+    def compiled(self) -> int:
+        return min(len(list(self.bdir.glob('*.o'))), self.total)
+
+    def run(self):
+        while not self.stop.wait(self.interval):
+            print(f'pyg_fastattn: {self.compiled()} of {self.total} files '
+                  f'compiled ({time.monotonic() - self.t0:.0f} s)',
+                  file=sys.stderr, flush=True)
+
+
 def _load_built(so: Path) -> bool:
     """Load a library built earlier into its hashed folder (the name covers
     the sources, flags and toolchain), without running ninja; False if it
@@ -156,11 +181,17 @@ def _compile_and_load(root: Path, with_cuda: bool) -> str:
             if so.exists() and _load_built(so):
                 return str(bdir)
             for attempt in range(2):
+                progress = None
                 if not so.exists():
                     print(
-                        'building pyg_fastattn kernels (first use, about a '
-                        f'minute{", CUDA included" if with_cuda else ""})...',
-                        file=sys.stderr, flush=True)
+                        'building pyg_fastattn kernels (first use: '
+                        f'{len(srcs)} files, ' + (
+                            'a few minutes with CUDA' if with_cuda else
+                            'about a minute') + ', cached for later imports)'
+                        '...', file=sys.stderr, flush=True)
+                    if not verbose:
+                        progress = _Progress(bdir, len(srcs))
+                        progress.start()
                 try:
                     load(name=NAME, sources=srcs, build_directory=str(bdir),
                          extra_cflags=flags[0], extra_ldflags=flags[1],
@@ -174,6 +205,9 @@ def _compile_and_load(root: Path, with_cuda: bool) -> str:
                     # corrupt .so): wipe it and build once more.
                     shutil.rmtree(bdir, ignore_errors=True)
                     bdir.mkdir(parents=True, exist_ok=True)
+                finally:
+                    if progress is not None:
+                        progress.stop.set()
         finally:
             fcntl.flock(lockf, fcntl.LOCK_UN)
     raise AssertionError('unreachable')

@@ -351,6 +351,26 @@ def _native_cpu_cache(tmp_path):
                 PYG_FASTATTN_BACKEND='native', PYG_FASTATTN_CUDA='0')
 
 
+def test_build_progress_lines(tmp_path, capsys):
+    """While a build runs, a stderr line at each interval counts the object
+    files ninja has written out of the sources; none after it stops."""
+    for name in ('attention.o', 'attention.cuda.o', 'build.ninja'):
+        (tmp_path / name).touch()
+    progress = _build._Progress(tmp_path, 5, interval=0.05)
+    progress.start()
+    time.sleep(0.3)
+    (tmp_path / 'spmm.o').touch()
+    time.sleep(0.3)
+    progress.stop.set()
+    progress.join(5)
+    assert not progress.is_alive()
+    err = capsys.readouterr().err
+    assert re.search(r'pyg_fastattn: 2 of 5 files compiled \(\d+ s\)', err)
+    assert 'pyg_fastattn: 3 of 5 files compiled' in err
+    time.sleep(0.2)
+    assert capsys.readouterr().err == ''
+
+
 @pytest.mark.skipif(os.environ.get('PYG_FASTATTN_BACKEND') == 'reference',
                     reason='native backend disabled')
 def test_concurrent_builds(tmp_path):
