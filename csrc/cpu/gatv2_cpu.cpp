@@ -52,7 +52,8 @@ struct Score {
     for (int64_t q = 0; q < HC; ++q) buf[q] = acc_t(x_r[i * HC + q]);
   }
 
-  const scalar_t* score(int64_t j, int64_t e, acc_t* buf, acc_t* s) const {
+  // z = x_l[j] + x_r[i] (+ edge_term[e]) into buf + HC (row(i) first).
+  const scalar_t* pre(int64_t j, int64_t e, acc_t* buf) const {
     const int64_t HC = H * C;
     const acc_t* xr_i = buf;
     acc_t* z = buf + HC;
@@ -64,6 +65,12 @@ struct Score {
     } else {
       for (int64_t q = 0; q < HC; ++q) z[q] = acc_t(xl[q]) + xr_i[q];
     }
+    return xl;
+  }
+
+  const scalar_t* score(int64_t j, int64_t e, acc_t* buf, acc_t* s) const {
+    const scalar_t* xl = pre(j, e, buf);
+    const acc_t* z = buf + H * C;
     for (int64_t h = 0; h < H; ++h) {
       acc_t v = 0;
       const acc_t* zh = z + h * C;
@@ -137,13 +144,26 @@ inline void add_into(acc_t* __restrict dst, const acc_t* __restrict src,
   for (int64_t q = 0; q < n; ++q) dst[q] += src[q];
 }
 
-// Column pass: gxl += p * grad_out + leaky'(z) * gs * att.
+// Column pass: gxl += p * grad_out + leaky'(z) * gs * att, z = x_l[j] +
+// x_r[i] (+ edge_term[e], when et is not null) formed as score() does.
 template <typename scalar_t, typename acc_t>
-inline void col_head_grads(const acc_t* __restrict z, const acc_t* __restrict att,
+inline void col_head_grads(const scalar_t* __restrict xl,
+                           const scalar_t* __restrict xr,
+                           const scalar_t* __restrict et,
+                           const acc_t* __restrict att,
                            const scalar_t* __restrict go, acc_t p, acc_t gs,
                            acc_t slope, int64_t C, acc_t* __restrict gxl) {
-  for (int64_t c = 0; c < C; ++c)
-    gxl[c] += p * acc_t(go[c]) + cpu::leaky_grad(z[c], slope, gs * att[c]);
+  if (et) {
+    for (int64_t c = 0; c < C; ++c) {
+      const acc_t z = acc_t(xl[c]) + acc_t(xr[c]) + acc_t(et[c]);
+      gxl[c] += p * acc_t(go[c]) + cpu::leaky_grad(z, slope, gs * att[c]);
+    }
+  } else {
+    for (int64_t c = 0; c < C; ++c) {
+      const acc_t z = acc_t(xl[c]) + acc_t(xr[c]);
+      gxl[c] += p * acc_t(go[c]) + cpu::leaky_grad(z, slope, gs * att[c]);
+    }
+  }
 }
 
 // Row r goes to group g when its cost rowptr[r] + r lies in
@@ -169,9 +189,10 @@ int64_t first_row_of_cost(const index_t* rowptr, int64_t N, int64_t E,
 // grad_att partial; a long row sums its grad_x_r partials in chunk order,
 // and grad_att = the group partials in group order, then the chunk partials
 // in chunk order.
+// p = alpha * mask is kept in [E, H] too.
 // Pass 2, by source over the transpose (parallel_rows on colptr): for each
-// out-edge e = (j -> i) the score is recomputed for alpha and leaky'(z) and
-// grad_x_l[j] += alpha * mask * grad_out[i] + grad_z; long columns are cut
+// out-edge e = (j -> i), z again for leaky'(z), and grad_x_l[j] += p[e] *
+// grad_out[i] + grad_z; long columns are cut
 // into chunks whose partials are summed in chunk order. Every output has one
 // writer and a fixed summation order: bitwise equal for any thread count.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
@@ -203,9 +224,13 @@ gatv2_attention_backward_cpu(
   at::Tensor g_att = at::empty({H, C}, opts);
   const auto acc_opts = opts.dtype(opmath_type(in.x_l.scalar_type()));
   at::Tensor grad_s = at::empty({E, H}, acc_opts);
+  at::Tensor prob = at::empty({E, H}, acc_opts);  // alpha * mask
   const int64_t G = std::max<int64_t>(1, std::min<int64_t>(kGatv2CpuGroups, N));
   at::Tensor partial = at::zeros({G, HC}, acc_opts);
   PFA_DISPATCH_INDEX(in.rowptr.scalar_type(), "gatv2_attention_backward_cpu", [&] {
+    // A CSC entry pointing outside every row reads 0.
+    cpu::zero_outside_rows(grad_s, in.rowptr.const_data_ptr<index_t>(), N);
+    cpu::zero_outside_rows(prob, in.rowptr.const_data_ptr<index_t>(), N);
     if (want_edge) cpu::zero_outside_rows(g_e, in.rowptr.const_data_ptr<index_t>(), N);
     PFA_DISPATCH_FLOATS(in.x_l.scalar_type(), "gatv2_attention_backward_cpu", [&] {
       using acc_t = at::opmath_type<scalar_t>;
@@ -223,11 +248,11 @@ gatv2_attention_backward_cpu(
       const index_t* rw = csc_row.const_data_ptr<index_t>();
       const index_t* pm = csc_perm.const_data_ptr<index_t>();
       const scalar_t* xr = in.x_r.const_data_ptr<scalar_t>();
-      const scalar_t* mask = gr.mask;
       const scalar_t* o = out.const_data_ptr<scalar_t>();
       const scalar_t* go = grad_out.const_data_ptr<scalar_t>();
       const acc_t* l = lse.const_data_ptr<acc_t>();
       acc_t* gs_ptr = grad_s.data_ptr<acc_t>();
+      acc_t* p_ptr = prob.data_ptr<acc_t>();
       acc_t* part = partial.data_ptr<acc_t>();
       scalar_t* gl_ptr = g_l.data_ptr<scalar_t>();
       scalar_t* gr_ptr = g_r.data_ptr<scalar_t>();
@@ -240,9 +265,10 @@ gatv2_attention_backward_cpu(
       auto row_segment = [&](int64_t i, int64_t b, int64_t e, acc_t* gxr,
                              acc_t* gatt, acc_t* buf) {
         auto tail = [&](int64_t k, int64_t, const acc_t* sb, const acc_t* gsv,
-                        const acc_t*, acc_t* zl) {
+                        const acc_t* pv, acc_t* zl) {
           const acc_t* z = sb + HC;
           for (int64_t h = 0; h < H; ++h) gs_ptr[k * H + h] = gsv[h];
+          for (int64_t h = 0; h < H; ++h) p_ptr[k * H + h] = pv[h];
           for (int64_t h = 0; h < H; ++h)
             row_head_grads(z + h * C, att.data() + h * C, gsv[h], slope, C,
                            zl + h * C, gatt + h * C);
@@ -254,6 +280,7 @@ gatv2_attention_backward_cpu(
         };
         auto skip = [&](int64_t k) {
           std::fill(gs_ptr + k * H, gs_ptr + (k + 1) * H, acc_t(0));
+          std::fill(p_ptr + k * H, p_ptr + (k + 1) * H, acc_t(0));
           if (ge_ptr) std::fill(ge_ptr + k * HC, ge_ptr + (k + 1) * HC, scalar_t(0));
         };
         cpu::backward_row_segment(score, gr, o, go, l, i, b, e, buf, tail, skip);
@@ -297,30 +324,29 @@ gatv2_attention_backward_cpu(
 
       // ---- pass 2: by source over the transpose
       // CSC entries [b, end) of column j: adds their grad_x_l terms to gxl
-      // [HC]. buf: the policy's scratch + H.
+      // [HC].
       auto col_segment = [&](int64_t j, int64_t b, int64_t end, acc_t* gxl,
-                             acc_t* buf) {
-        acc_t *z = buf + HC, *s = buf + score.scratch();
+                             acc_t*) {
+        const scalar_t* xl_j = score.x_l + j * HC;
         for (int64_t k = b; k < end; ++k) {
           const int64_t i = rw[k], e = pm[k];
           cpu::prefetch_ahead(rw, k, E, go, N, HC);
           cpu::prefetch_ahead(rw, k, E, xr, N, HC);
           if (i < 0 || i >= N || e < 0 || e >= E) continue;
-          score.row(i, buf);
-          score.score(j, e, buf, s);
-          const scalar_t* go_i = go + i * HC;
+          const scalar_t *go_i = go + i * HC, *xr_i = xr + i * HC;
+          const scalar_t* et_e =
+              score.edge_term ? score.edge_term + e * HC : nullptr;
           for (int64_t h = 0; h < H; ++h) {
-            const acc_t lse_ih = l[i * H + h];
-            if (!std::isfinite(lse_ih)) continue;
-            acc_t p = std::exp(s[h] - lse_ih);
-            if (mask) p *= acc_t(mask[e * H + h]);
-            col_head_grads(z + h * C, att.data() + h * C, go_i + h * C, p,
-                           gs_ptr[e * H + h], slope, C, gxl + h * C);
+            if (!std::isfinite(l[i * H + h])) continue;
+            const int64_t o = h * C;
+            col_head_grads(xl_j + o, xr_i + o, et_e ? et_e + o : nullptr,
+                           att.data() + o, go_i + o, p_ptr[e * H + h],
+                           gs_ptr[e * H + h], slope, C, gxl + o);
           }
         }
       };
       cpu::reduce_rows<acc_t>(
-          cp, Ns, E, HC, score.scratch() + H, 2 * HC, col_segment,
+          cp, Ns, E, HC, 0, 2 * HC, col_segment,
           [&](int64_t j, const acc_t* gxl) {
             for (int64_t q = 0; q < HC; ++q) gl_ptr[j * HC + q] = scalar_t(gxl[q]);
           });
