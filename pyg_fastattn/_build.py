@@ -183,12 +183,11 @@ def _compile_and_load(root: Path, with_cuda: bool) -> str:
             for attempt in range(2):
                 progress = None
                 if not so.exists():
-                    print(
-                        'building pyg_fastattn kernels (first use: '
-                        f'{len(srcs)} files, ' + (
-                            'a few minutes with CUDA' if with_cuda else
-                            'about a minute') + ', cached for later imports)'
-                        '...', file=sys.stderr, flush=True)
+                    took = ('a few minutes with CUDA' if with_cuda else
+                            'about a minute')
+                    print(f'building pyg_fastattn kernels (first use: '
+                          f'{len(srcs)} files, {took}, cached for later '
+                          'imports)...', file=sys.stderr, flush=True)
                     if not verbose:
                         progress = _Progress(bdir, len(srcs))
                         progress.start()

@@ -52,8 +52,7 @@ struct Score {
     for (int64_t q = 0; q < HC; ++q) buf[q] = acc_t(x_r[i * HC + q]);
   }
 
-  // z = x_l[j] + x_r[i] (+ edge_term[e]) into buf + HC (row(i) first).
-  const scalar_t* pre(int64_t j, int64_t e, acc_t* buf) const {
+  const scalar_t* score(int64_t j, int64_t e, acc_t* buf, acc_t* s) const {
     const int64_t HC = H * C;
     const acc_t* xr_i = buf;
     acc_t* z = buf + HC;
@@ -65,12 +64,6 @@ struct Score {
     } else {
       for (int64_t q = 0; q < HC; ++q) z[q] = acc_t(xl[q]) + xr_i[q];
     }
-    return xl;
-  }
-
-  const scalar_t* score(int64_t j, int64_t e, acc_t* buf, acc_t* s) const {
-    const scalar_t* xl = pre(j, e, buf);
-    const acc_t* z = buf + H * C;
     for (int64_t h = 0; h < H; ++h) {
       acc_t v = 0;
       const acc_t* zh = z + h * C;
