@@ -69,10 +69,11 @@ def _want_cuda() -> bool:
 
 
 def _sources(root: Path, with_cuda: bool) -> List[str]:
-    srcs = sorted(glob.glob(str(root / 'ops' / '*.cpp')))
+    # CUDA files first: ninja starts jobs in this order, and each .cu takes
+    # several times as long as a .cpp.
+    srcs = sorted(glob.glob(str(root / 'cuda' / '*.cu'))) if with_cuda else []
+    srcs += sorted(glob.glob(str(root / 'ops' / '*.cpp')))
     srcs += sorted(glob.glob(str(root / 'cpu' / '*.cpp')))
-    if with_cuda:
-        srcs += sorted(glob.glob(str(root / 'cuda' / '*.cu')))
     return srcs
 
 
@@ -88,12 +89,14 @@ def _flags(with_cuda: bool):
     return cflags, ldflags, cuda_flags
 
 
-def _version_line(cmd: List[str]) -> str:
+def _version(cmd: List[str]) -> str:
+    """``cmd --version``'s whole output (nvcc's first line names no
+    version)."""
     try:
         r = subprocess.run(cmd + ['--version'], capture_output=True, text=True,
                            timeout=30)
-        return (r.stdout or r.stderr).strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
+        return (r.stdout or r.stderr).strip() or 'unknown'
+    except (OSError, subprocess.SubprocessError):
         return 'unknown'
 
 
@@ -105,10 +108,10 @@ def _toolchain(with_cuda: bool) -> tuple:
     nvcc and the target architectures (TORCH_CUDA_ARCH_LIST, or the visible
     GPUs' that cpp_extension builds for when it is unset)."""
     parts = [os.path.dirname(os.path.realpath(torch.__file__)),
-             _version_line([os.environ.get('CXX', 'c++')])]
+             _version([os.environ.get('CXX', 'c++')])]
     if with_cuda:
         from torch.utils.cpp_extension import CUDA_HOME
-        parts.append(_version_line([os.path.join(CUDA_HOME, 'bin', 'nvcc')]))
+        parts.append(_version([os.path.join(CUDA_HOME, 'bin', 'nvcc')]))
         archs = os.environ.get('TORCH_CUDA_ARCH_LIST') or ';'.join(sorted({
             '%d.%d' % torch.cuda.get_device_capability(i)
             for i in range(torch.cuda.device_count())}))

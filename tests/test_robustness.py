@@ -351,6 +351,27 @@ def _native_cpu_cache(tmp_path):
                 PYG_FASTATTN_BACKEND='native', PYG_FASTATTN_CUDA='0')
 
 
+def test_build_key_has_whole_compiler_version(tmp_path, monkeypatch):
+    """Two compilers whose ``--version`` differ only after the first line
+    (as nvcc's: its first line names no version) get different build
+    folders; CUDA sources come first in the build order."""
+    root = _build._csrc()
+    srcs = _build._sources(root, False)
+    dirs = []
+    for release in ('12.8', '13.0'):
+        cc = tmp_path / f'cc{release}'
+        cc.write_text('#!/bin/sh\necho "nvcc: NVIDIA (R) Cuda compiler driver"\n'
+                      f'echo "Cuda compilation tools, release {release}"\n')
+        cc.chmod(0o755)
+        monkeypatch.setenv('CXX', str(cc))
+        monkeypatch.setenv('PYG_FASTATTN_CACHE', str(tmp_path))
+        dirs.append(_build._build_dir(root, srcs, False, _build._flags(False)))
+    assert dirs[0] != dirs[1]
+    assert 'release 13.0' in _build._version([str(cc)])
+    order = [Path(f).suffix for f in _build._sources(root, True)]
+    assert order == sorted(order, key=lambda s: s != '.cu') and '.cu' in order
+
+
 def test_build_progress_lines(tmp_path, capsys):
     """While a build runs, a stderr line at each interval counts the object
     files ninja has written out of the sources; none after it stops."""
