@@ -265,6 +265,48 @@ def test_inductor_training_matches_eager(backend, device, prepared):
 
 
 @pytest.mark.parametrize('device', DEVICES)
+def test_compiled_layers_on_changing_graphs(device):
+    """A compiled model fed a graph of another size every step (as
+    NeighborLoader gives): each layer's outputs and gradients equal eager's,
+    and after one recompile with dynamic sizes no further graph is made."""
+    from torch._dynamo.utils import counters
+
+    from pyg_fastattn import FastGATv2Conv, FastTransformerConv
+
+    class Two(torch.nn.Module):
+        def __init__(self, conv):
+            super().__init__()
+            self.c1, self.c2 = conv(12, 8, heads=4), conv(32, 4)
+
+        def forward(self, x, edge_index):
+            return self.c2(self.c1(x, edge_index).relu(), edge_index)
+
+    sizes = [(50, 300), (70, 500), (90, 610), (33, 100), (64, 64)]
+    for conv in (FastGATConv, FastGATv2Conv, FastTransformerConv):
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = Two(conv).to(device)
+        compiled = torch.compile(model)
+        made = []
+        for N, E in sizes:
+            g = torch.Generator().manual_seed(N)
+            x = torch.randn(N, 12, generator=g).to(device)
+            ei = torch.randint(0, N, (2, E), generator=g).to(device)
+            res = []
+            for m in (model, compiled):
+                model.zero_grad(set_to_none=True)
+                out = m(x, ei)
+                out.square().sum().backward()
+                res.append([out] + [p.grad for p in model.parameters()])
+            for a, b in zip(*res):
+                tol = 1e-4 * max(b.abs().max().item(), 1.0)
+                assert (a - b).abs().max().item() <= tol, (conv, N, E)
+            made.append(counters['stats']['unique_graphs'])
+        assert made[-1] == made[1] <= 2, (conv.__name__, made)
+
+
+@pytest.mark.parametrize('device', DEVICES)
 def test_compiled_graph_checks_indices(device):
     """A graph prepared inside a compiled graph is checked there (a
     device-side assertion; on CPU it raises at once), unless validation is

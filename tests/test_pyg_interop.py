@@ -321,3 +321,66 @@ def test_empty_node_sets(device, name):
                 assert all(t is None or not t.any() for t in (a, b))
             else:
                 torch.testing.assert_close(b, a)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_swap_heterogeneous_models(device):
+    """swap() inside PyG's heterogeneous models: a model made by
+    ``to_hetero`` (one GATConv copy per edge type, bipartite inputs) and a
+    ``HeteroConv`` of GATConv, GATv2Conv and TransformerConv. Outputs and
+    gradients equal PyG's under the same weights."""
+    import copy
+
+    from torch_geometric.data import HeteroData
+    from torch_geometric.nn import HeteroConv, to_hetero
+    from torch_geometric.transforms import ToUndirected
+
+    from pyg_fastattn import swap
+    g = torch.Generator().manual_seed(0)
+    data = HeteroData()
+    data['paper'].x = torch.randn(50, 16, generator=g)
+    data['author'].x = torch.randn(30, 8, generator=g)
+    data['author', 'writes', 'paper'].edge_index = torch.stack([
+        torch.randint(0, 30, (200, ), generator=g),
+        torch.randint(0, 50, (200, ), generator=g)])
+    data = ToUndirected()(data).to(device)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1 = GATConv((-1, -1), 8, heads=2, add_self_loops=False)
+            self.c2 = GATConv((-1, -1), 4, add_self_loops=False)
+
+        def forward(self, x, edge_index):
+            return self.c2(self.c1(x, edge_index).relu(), edge_index)
+
+    torch.manual_seed(0)
+    hetero = to_hetero(Net(), data.metadata(), aggr='sum').to(device)
+    conv = HeteroConv({
+        ('author', 'writes', 'paper'): GATConv((-1, -1), 8,
+                                               add_self_loops=False),
+        ('paper', 'rev_writes', 'author'): GATv2Conv((-1, -1), 8, heads=2,
+                                                     add_self_loops=False),
+        ('paper', 'rev_writes', 'paper'): TransformerConv((-1, -1), 8),
+    }).to(device)
+    data['paper', 'rev_writes', 'paper'].edge_index = torch.randint(
+        0, 50, (2, 120), generator=g).to(device)
+    for model in (hetero, conv):
+        model(data.x_dict, data.edge_index_dict)  # initialize lazy weights
+        fast = swap(copy.deepcopy(model))
+        kinds = {type(m).__name__ for m in fast.modules()}
+        assert not kinds & {'GATConv', 'GATv2Conv', 'TransformerConv'}, kinds
+        outs = []
+        for m in (model, fast):
+            m.zero_grad()
+            out = m(data.x_dict, data.edge_index_dict)
+            sum((v * v).sum() for v in out.values()).backward()
+            outs.append((out, {n: p.grad for n, p in m.named_parameters()}))
+        (ref, ref_g), (got, got_g) = outs
+        assert ref.keys() == got.keys()
+        for k in ref:
+            torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-4)
+        assert ref_g.keys() == got_g.keys()
+        for n in ref_g:
+            torch.testing.assert_close(got_g[n], ref_g[n], atol=1e-4,
+                                       rtol=1e-4, msg=n)
