@@ -6,10 +6,38 @@
 namespace pyg_fastattn {
 namespace {
 
-// Rows are split over threads in chunks of balanced edge counts
-// (parallel_rows); each row accumulates its [H, C] output in a local buffer.
-// Rows over the split threshold (split_rows) are cut into fixed chunks whose
+// o[i, :width] = the sums that segment(b, e, acc) adds into acc[width] for
+// the edges [b, e) of row i. Rows are split over threads in chunks of
+// balanced edge counts (parallel_rows), each row summed in a local buffer;
+// rows over the split threshold (split_rows) are cut into fixed chunks whose
 // partial sums are added in chunk order.
+template <typename acc_t, typename scalar_t, typename index_t, typename Segment>
+void sum_rows(const index_t* rp, int64_t N, int64_t E, int64_t width,
+              scalar_t* o, const Segment& segment) {
+  const cpu::SplitRows sp = cpu::split_rows(rp, N, E);
+  cpu::parallel_rows(rp, N, E, width, [&](int64_t r0, int64_t r1) {
+    std::vector<acc_t> acc(width);
+    for (int64_t i = r0; i < r1; ++i) {
+      const auto [b, e] = cpu::row_range(rp, i, E);
+      if (sp.is_long(b, e)) continue;  // split below
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      segment(b, e, acc.data());
+      for (int64_t x = 0; x < width; ++x) o[i * width + x] = scalar_t(acc[x]);
+    }
+  });
+  std::vector<acc_t> part(sp.chunks() * width, acc_t(0));
+  cpu::parallel_chunks(sp, rp, E, [&](int64_t, int64_t, int64_t b, int64_t e,
+                                       int64_t q) {
+    segment(b, e, part.data() + q * width);
+  });
+  cpu::parallel_long_rows(sp, [&](int64_t k, int64_t i) {
+    std::vector<acc_t> acc(width, acc_t(0));
+    for (int64_t q = sp.first[k]; q < sp.first[k + 1]; ++q)
+      for (int64_t x = 0; x < width; ++x) acc[x] += part[q * width + x];
+    for (int64_t x = 0; x < width; ++x) o[i * width + x] = scalar_t(acc[x]);
+  });
+}
+
 at::Tensor spmm_cpu(const at::Tensor& rowptr_, const at::Tensor& col_,
                     const c10::optional<at::Tensor>& weight_,
                     const c10::optional<at::Tensor>& weight_perm_,
@@ -55,34 +83,13 @@ at::Tensor spmm_cpu(const at::Tensor& rowptr_, const at::Tensor& col_,
           }
         }
       };
-      const cpu::SplitRows sp = cpu::split_rows(rp, N, E);
-      cpu::parallel_rows(rp, N, E, HC, [&](int64_t r0, int64_t r1) {
-        std::vector<acc_t> acc(HC);
-        for (int64_t i = r0; i < r1; ++i) {
-          const auto [b, e] = cpu::row_range(rp, i, E);
-          if (sp.is_long(b, e)) continue;  // split below
-          std::fill(acc.begin(), acc.end(), acc_t(0));
-          segment(b, e, acc.data());
-          for (int64_t x = 0; x < HC; ++x) o[i * HC + x] = scalar_t(acc[x]);
-        }
-      });
-      std::vector<acc_t> part(sp.chunks() * HC, acc_t(0));
-      cpu::parallel_chunks(sp, rp, E, [&](int64_t, int64_t, int64_t b,
-                                           int64_t e, int64_t q) {
-        segment(b, e, part.data() + q * HC);
-      });
-      cpu::parallel_long_rows(sp, [&](int64_t k, int64_t i) {
-        std::vector<acc_t> acc(HC, acc_t(0));
-        for (int64_t q = sp.first[k]; q < sp.first[k + 1]; ++q)
-          for (int64_t x = 0; x < HC; ++x) acc[x] += part[q * HC + x];
-        for (int64_t x = 0; x < HC; ++x) o[i * HC + x] = scalar_t(acc[x]);
-      });
+      sum_rows<acc_t>(rp, N, E, HC, o, segment);
     });
   });
   return out;
 }
 
-// Same split as spmm; each row sums its H-wide entries of src.
+// Each row sums its H-wide entries of src (sum_rows, as spmm).
 at::Tensor segment_sum_cpu(const at::Tensor& rowptr_,
                            const c10::optional<at::Tensor>& perm_,
                            const at::Tensor& src_) {
@@ -107,28 +114,7 @@ at::Tensor segment_sum_cpu(const at::Tensor& rowptr_,
           for (int64_t h = 0; h < H; ++h) acc[h] += acc_t(s[j * H + h]);
         }
       };
-      const cpu::SplitRows sp = cpu::split_rows(rp, N, E);
-      cpu::parallel_rows(rp, N, E, H, [&](int64_t r0, int64_t r1) {
-        std::vector<acc_t> acc(H);
-        for (int64_t i = r0; i < r1; ++i) {
-          const auto [b, e] = cpu::row_range(rp, i, E);
-          if (sp.is_long(b, e)) continue;  // split below
-          std::fill(acc.begin(), acc.end(), acc_t(0));
-          segment(b, e, acc.data());
-          for (int64_t h = 0; h < H; ++h) o[i * H + h] = scalar_t(acc[h]);
-        }
-      });
-      std::vector<acc_t> part(sp.chunks() * H, acc_t(0));
-      cpu::parallel_chunks(sp, rp, E, [&](int64_t, int64_t, int64_t b,
-                                           int64_t e, int64_t q) {
-        segment(b, e, part.data() + q * H);
-      });
-      cpu::parallel_long_rows(sp, [&](int64_t k, int64_t i) {
-        std::vector<acc_t> acc(H, acc_t(0));
-        for (int64_t q = sp.first[k]; q < sp.first[k + 1]; ++q)
-          for (int64_t h = 0; h < H; ++h) acc[h] += part[q * H + h];
-        for (int64_t h = 0; h < H; ++h) o[i * H + h] = scalar_t(acc[h]);
-      });
+      sum_rows<acc_t>(rp, N, E, H, o, segment);
     });
   });
   return out;
