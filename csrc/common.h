@@ -285,19 +285,6 @@ constexpr int64_t kGatv2CpuGroups = 256;
 // CUDA backward, destination pass: this many blocks at most (a fixed grid,
 // rows strided over its warps); one grad_att partial per block.
 constexpr int64_t kGatv2CudaBwdBlocks = 2048;
-// CUDA: heads a lane of the gatv2 / transformer kernels keeps (1..4) where
-// a head's row takes at most 32 lanes; heads beyond a tile go to further
-// tiles of the grid's y dimension (each walks the edges again).
-// gatv2_lane_slots(): PYG_FASTATTN_GATV2_LANE_SLOTS=1..4 overrides (tests,
-// A/B runs).
-constexpr int kGatv2LaneSlots = 1;
-
-inline int gatv2_lane_slots() {
-  const char* env = std::getenv("PYG_FASTATTN_GATV2_LANE_SLOTS");
-  const int n = (env == nullptr || *env == '\0') ? kGatv2LaneSlots
-                                                 : std::atoi(env);
-  return n < 1 ? 1 : (n > 4 ? 4 : n);
-}
 // CUDA: split path of the gatv2 kernels (one warp walks a row's edges one
 // by one, so long rows are split sooner than kSplitEdges). A window of
 // kGatv2SplitChunk edges goes to one block; the window partials take
@@ -309,7 +296,7 @@ constexpr int64_t kGatv2SplitChunk = 2048;
 // larger batch's registers cost more occupancy than its gathers in flight
 // gain (benchmarks/RESULTS.md).
 constexpr int kGatv2EdgeBatch = 1;
-// CUDA: with one or four slots a lane (aligned rows of 32- or 16-bit
+// CUDA: with one, two or four slots a lane (aligned rows of 32- or 16-bit
 // floats) the gatv2 / transformer kernels can gather through a ring of
 // kGatv2AsyncStages stages in shared memory (cp.async), kGatv2AsyncStages - 1
 // edges ahead of the edge they compute, so that the rows of several edges
@@ -327,7 +314,7 @@ inline bool gatv2_async(bool dflt) {
 // Resident blocks per SM that the ASYNC backward kernels with one slot a
 // lane are compiled for (launch bounds: at most 80 registers for three
 // blocks, 64 for four, where the others spill); the forward stays within 64
-// without a bound, and four-slot kernels have none.
+// without a bound, and kernels of several slots have none.
 constexpr int kGatv2AsyncBlocksRows = 3;       // destination pass, both
 constexpr int kGatv2AsyncBlocksCols = 4;       // gatv2 source pass, float32
 constexpr int kGatv2AsyncBlocksColsOther = 3;  // the other source passes

@@ -17,10 +17,11 @@ namespace gatv2 {
 // Lane layout of the gatv2 kernels. A node's [H, C] row is read in units of
 // V elements (16 bytes when aligned, else 1 element): CU = C / V units per
 // head. A warp's lane = hs * G + cl: G = pow2 >= min(CU, 32) lanes share a
-// head (cl: unit), HS = 32 / G heads side by side (hs). A lane has S slots:
-//  * HEADS (KC = 1): slot t is unit cl of head h0 + hs + HS * t;
-//  * otherwise (one head per lane, CU > 32): slot t is unit cl + G * t of
-//    head h0 + hs.
+// head (cl: unit), HS = 32 / G heads side by side (hs). A lane keeps one
+// head (make_plan sets KH = 1; the kernels take KH heads a lane, slot t
+// holding unit cl of head h0 + hs + HS * t, when HEADS) in S slots:
+//  * HEADS (KC = 1, S = 1): unit cl of head h0 + hs;
+//  * otherwise (CU > 32): slot t is unit cl + G * t of head h0 + hs.
 // Per-head sums are taken over a lane's slots of that head, then over the G
 // lanes of the head with xor shuffles (every lane gets the same bits). The
 // heads h0 .. h0 + HS * KH - 1 form one tile (grid y).
@@ -245,7 +246,7 @@ __device__ __forceinline__ void gather_edges(
 }
 
 // ---------------------------------------------------------------------------
-// Asynchronous gathers (ASYNC kernels: one or four slots a lane, UB-byte
+// Asynchronous gathers (ASYNC kernels: one, two or four slots a lane, UB-byte
 // units). Each warp has a ring of ns >= 2 stages (ring_stages, launch_plan)
 // in shared memory.
 // A stage holds, for each lane, nu units (the rows of one edge), the edge's
@@ -542,8 +543,7 @@ constexpr int gatv2_vec() {
 // Layout and template choice for H heads of C channels, V elements a unit.
 struct Gatv2Plan {
   Gatv2Layout L;
-  int S;        // 1, 4 or 32 slots
-  bool heads;   // slots are heads
+  int S;  // slots a lane: 1 (HEADS), 2, 4, 8 or 32 units of one head
 };
 
 inline Gatv2Plan make_plan(int64_t H, int64_t C, int V) {
@@ -559,17 +559,12 @@ inline Gatv2Plan make_plan(int64_t H, int64_t C, int V) {
   L.KC = static_cast<int>(ceil_div(std::max(L.CU, 1), G));
   PFA_CHECK(L.KC <= 32, "gatv2_attention: at most ", 32 * 32 * V,
             " channels per head for this dtype and alignment on CUDA, got ", C);
-  if (L.KC == 1) {
-    const int64_t need = ceil_div(H, HS);
-    L.KH = static_cast<int>(
-        std::min<int64_t>(gatv2_lane_slots(), std::max<int64_t>(need, 1)));
-    P.heads = true;
-    P.S = L.KH == 1 ? 1 : 4;
-  } else {
-    L.KH = 1;
-    P.heads = false;
-    P.S = L.KC <= 4 ? 4 : 32;
-  }
+  // One head a lane: heads beyond a tile's HS go to further tiles (grid y;
+  // each walks the row's edges again), which costs less than the registers
+  // of several heads a lane (benchmarks/RESULTS.md). A head wider than 32
+  // units takes the fewest slots that hold its KC units a lane.
+  L.KH = 1;
+  P.S = L.KC == 1 ? 1 : L.KC <= 2 ? 2 : L.KC <= 4 ? 4 : L.KC <= 8 ? 8 : 32;
   L.tile_heads = HS * L.KH;
   L.n_tiles = static_cast<int>(ceil_div(std::max<int64_t>(H, 1), L.tile_heads));
   PFA_CHECK(L.n_tiles <= 65535, "gatv2_attention: too many heads: ", H);
@@ -577,7 +572,7 @@ inline Gatv2Plan make_plan(int64_t H, int64_t C, int V) {
 }
 
 // Calls f(V, S, HEADS, ASYNC) with compile-time constants (ASYNC: async,
-// which ring_stages allows only for one or four slots).
+// which ring_stages allows only for one, two or four slots).
 template <typename scalar_t, typename F>
 inline void dispatch_plan(bool vec, const Gatv2Plan& P, bool async, F&& f) {
   constexpr int VW = gatv2_vec<scalar_t>();
@@ -585,21 +580,23 @@ inline void dispatch_plan(bool vec, const Gatv2Plan& P, bool async, F&& f) {
   auto with_v = [&](auto v) {
     if (P.S == 1)
       f(v, std::integral_constant<int, 1>(), std::true_type(), no());
-    else if (P.S == 4 && P.heads)
-      f(v, std::integral_constant<int, 4>(), std::true_type(), no());
+    else if (P.S == 2)
+      f(v, std::integral_constant<int, 2>(), std::false_type(), no());
     else if (P.S == 4)
       f(v, std::integral_constant<int, 4>(), std::false_type(), no());
+    else if (P.S == 8)
+      f(v, std::integral_constant<int, 8>(), std::false_type(), no());
     else
       f(v, std::integral_constant<int, 32>(), std::false_type(), no());
   };
   if constexpr (sizeof(scalar_t) <= 4) {
-    if (async) {  // S is 1 or 4 (ring_stages)
+    if (async) {  // S is 1, 2 or 4 (ring_stages)
       using VC = std::integral_constant<int, VW>;
       using yes = std::true_type;
       if (P.S == 1)
         f(VC(), std::integral_constant<int, 1>(), yes(), yes());
-      else if (P.heads)
-        f(VC(), std::integral_constant<int, 4>(), yes(), yes());
+      else if (P.S == 2)
+        f(VC(), std::integral_constant<int, 2>(), no(), yes());
       else
         f(VC(), std::integral_constant<int, 4>(), no(), yes());
       return;
@@ -631,7 +628,7 @@ inline void allow_smem(K kernel, size_t bytes) {
 }
 
 // Stages of the asynchronous gathers for a launch of the plan, 0 for none:
-// one or four slots a lane on aligned rows of 32- or 16-bit floats, and
+// one, two or four slots a lane on aligned rows of 32- or 16-bit floats, and
 // gatv2_async() (default: float32 rows of a table of `rows` rows larger
 // than the L2 cache); gatv2_stages() stages, or fewer (at least 2) where
 // the block's rings (nu units a slot and nf floats a head slot a stage)
@@ -647,13 +644,12 @@ inline int ring_stages(bool vec, const Gatv2Plan& P, int nu, int nf,
   using A = acc_t<scalar_t>;
   constexpr int VW = gatv2_vec<scalar_t>();
   constexpr int UB = static_cast<int>(sizeof(scalar_t)) * VW;
-  const int nkh = P.heads ? P.S : 1;
   const size_t merge = P.S == 1   ? merge_smem<A, 1, VW, 1>()
-                       : P.heads ? merge_smem<A, 4, VW, 4>()
-                                 : merge_smem<A, 4, VW, 1>();
+                       : P.S == 2 ? merge_smem<A, 2, VW, 1>()
+                                  : merge_smem<A, 4, VW, 1>();
   const size_t limit = prop->sharedMemPerBlockOptin;
   for (int ns = gatv2_stages(); ns >= 2; --ns)
-    if (launch_smem<UB>(merge, true, true, ns, nu * P.S, nf * nkh) <= limit)
+    if (launch_smem<UB>(merge, true, true, ns, nu * P.S, nf) <= limit)
       return ns;
   return 0;
 }
