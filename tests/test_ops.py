@@ -176,14 +176,15 @@ def test_sddmm(backend, device, heads, C, idx, dtype, E):
                                    'src,dst,edge', 'src,dst,edge,mask'])
 @pytest.mark.parametrize('idx', IDX)
 @pytest.mark.parametrize('dtype', [torch.float64, torch.float32])
-@pytest.mark.parametrize('C', [6, 8])
-def test_attention(backend, device, graph, terms, idx, dtype, C):
+@pytest.mark.parametrize('H,C', [(4, 6), (4, 8), (8, 64)])
+def test_attention(backend, device, graph, terms, idx, dtype, H, C):
     """The fused GAT path: scores from node/edge terms, leaky relu, dropout.
     C = 8 takes the 16-byte-vector kernels in both dtypes (on CUDA, without
     a_edge and mask: the lean backward variant); C = 6 the scalar ones for
-    float32."""
+    float32; 8 x 64 more heads than a warp holds side by side (on CUDA,
+    several head tiles of one head a lane)."""
     rowptr, col, Ns = make_graph(graph, idx, device)
-    N, E, H = rowptr.numel() - 1, col.numel(), 4
+    N, E = rowptr.numel() - 1, col.numel()
     terms = terms.split(',')
     mk = lambda *shape: _leaf(torch.randn(*shape, device=device), dtype)
     a_src = mk(Ns, H) if 'src' in terms else None
@@ -509,6 +510,64 @@ def test_segment_sum_large(device, avg_deg, heads, idx, dtype):
         _close(got, R.segment_sum(rowptr, p, src.double()), dtype, 'output')
         if device == 'cuda':
             assert torch.equal(K.segment_sum(rowptr, p, src), got)
+
+
+@requires_cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize('heads,C', [(8, 32), (4, 64), (8, 64), (64, 4),
+                                     (48, 2), (6, 20)])
+@pytest.mark.parametrize('split', [None, '16'])
+def test_one_head_a_lane(monkeypatch, dtype, heads, C, split):
+    """CUDA, more heads than a warp holds side by side: one head a lane in
+    further tiles of the grid (PYG_FASTATTN_ONE_HEAD_A_LANE=1) against up
+    to four heads a lane (=0), for attention with every term, attention
+    with node terms only (the lean backward), softmax_aggregate, spmm and
+    sddmm, on a graph with a hub row and a hub column (split=16: on the
+    split path). Outputs and gradients agree."""
+    if not _build.load().native:
+        pytest.skip(f'native kernels unavailable: {_build.load().error}')
+    rowptr, col, Ns, g = hub_graph(monkeypatch, split, torch.int64)
+    N, E = rowptr.numel() - 1, col.numel()
+
+    def leaf(*shape):
+        t = torch.randn(*shape, device='cuda', generator=g).to(dtype)
+        return t.requires_grad_(True)
+
+    v, a_src, a_dst = leaf(Ns, heads, C), leaf(Ns, heads), leaf(N, heads)
+    a_edge, s, q = leaf(E, heads), leaf(E, heads), leaf(N, heads, C)
+    mask = ((torch.rand(E, heads, device='cuda', generator=g) > 0.3)
+            / 0.7).to(dtype)
+    go = torch.randn(N, heads, C, device='cuda', generator=g).to(dtype)
+    csc = ops.csr_to_csc(rowptr, col, Ns, validate=False)
+    dst = rows_of(rowptr, E)
+
+    def run():
+        res = []
+        out = ops.attention(rowptr, col, v, a_src, a_dst, a_edge, mask, 0.2,
+                            csc=csc)
+        res += [out, *torch.autograd.grad(out, [v, a_src, a_dst, a_edge], go)]
+        out = ops.attention(rowptr, col, v, a_src=a_src, a_dst=a_dst, csc=csc)
+        res += [out, *torch.autograd.grad(out, [v, a_src, a_dst], go)]
+        out = ops.softmax_aggregate(rowptr, col, s, v, csc=csc,
+                                    validate=False)
+        res += [out, *torch.autograd.grad(out, [s, v], go)]
+        out = ops.spmm(rowptr, col, s, v)
+        res += [out, *torch.autograd.grad(out, [s, v], go)]
+        z = ops.sddmm(q, v, dst, col)
+        res += [z, *torch.autograd.grad(z, [q, v], torch.ones_like(z))]
+        return res
+
+    runs = {}
+    for flag in ('0', '1'):
+        monkeypatch.setenv('PYG_FASTATTN_ONE_HEAD_A_LANE', flag)
+        runs[flag] = run()
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else {}
+    for k, (a, b) in enumerate(zip(runs['0'], runs['1'])):
+        assert torch.isfinite(a).all(), k
+        scale = max(1.0, a.abs().max().item())
+        torch.testing.assert_close(b.float() / scale, a.float() / scale,
+                                   **tol, msg=lambda m: f'{k}: {m}')
 
 
 @requires_cuda

@@ -344,7 +344,8 @@ struct TileLayout {
   int n_ct = 1;    // channel tiles per head tile
   int n_tiles = 1; // tiles per row: ceil(H / HT) * n_ct
   int KC = 1;      // unit steps per lane (streaming mode, CU > 32)
-  int khq = 1;     // heads per lane (template choice: 1 or 4)
+  int khq = 1;     // heads per lane (template choice: 1 or 4; see
+                   // one_head_a_lane in common.h)
 };
 
 inline int next_pow2(int64_t x) {
@@ -385,7 +386,7 @@ inline TileLayout make_layout(int64_t H, int64_t C, int V, bool channel_tiles) {
     L.lh_log = log2_pow2(LH);
     L.hs_log = log2_pow2(HS);
     const int64_t KH = (H + HS - 1) / HS;
-    L.khq = KH <= 1 ? 1 : 4;
+    L.khq = KH <= 1 || one_head_a_lane() ? 1 : 4;
     L.HT = static_cast<int>(H < HS * L.khq ? H : HS * L.khq);
     if (L.HT < 1) L.HT = 1;
     L.n_ct = 1;
