@@ -12,6 +12,16 @@ def csr_from_degrees(deg, num_cols, idx_dtype=torch.int64, device='cpu'):
     return rowptr.to(device, idx_dtype), col.to(device, idx_dtype)
 
 
+def hub_rows(num_rows, num_cols, seed, device, idx_dtype=torch.int32):
+    """``num_rows`` rows of 0-8 edges (seeded) but row 7, a hub of 3000
+    edges, with uniform random columns below ``num_cols``. Returns (rowptr,
+    col)."""
+    g = torch.Generator().manual_seed(seed)
+    deg = torch.randint(0, 9, (num_rows, ), generator=g)
+    deg[7] = 3000
+    return csr_from_degrees(deg, num_cols, idx_dtype, device)
+
+
 def make_graph(kind, idx_dtype=torch.int64, device='cpu'):
     """Named graph shapes that cover the edge cases.
 

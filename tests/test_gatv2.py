@@ -13,7 +13,7 @@ from torch_geometric.nn import GATv2Conv
 from pyg_fastattn import FastGATv2Conv, ops, reference, swap
 
 from conftest import DEVICES, requires_cuda
-from graphs import assert_deterministic, make_graph, noncontig
+from graphs import assert_deterministic, hub_rows, make_graph, noncontig
 
 KINDS = ['mixed', 'huge', 'empty', 'single', 'deg1']
 
@@ -249,35 +249,12 @@ def test_bias_half_precision(backend, device, dtype):
 def test_many_rows(backend, device):
     """More rows than the backward's fixed grid has warps (rows strided over
     warps, grad_att from many partials), the benchmark's head layout."""
-    from graphs import csr_from_degrees
-    g = torch.Generator().manual_seed(5)
-    deg = torch.randint(0, 9, (20000, ), generator=g)
-    deg[7] = 3000  # a hub row
-    rowptr, col = csr_from_degrees(deg, 15000, torch.int32, device)
+    rowptr, col = hub_rows(20000, 15000, 5, device)
     H, C = 4, 32
     d = dict(device=device)
     x_l, x_r = torch.randn(15000, H, C, **d), torch.randn(20000, H, C, **d)
     att = torch.randn(H, C, **d)
     _check(rowptr, col, x_l, x_r, None, att, None, tol=1e-4)
-
-
-@requires_cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize('H,C', [(2, 256), (1, 512), (1, 1024)])
-def test_wide_heads_hub(backend, H, C):
-    """CUDA: heads wider than 32 vector units (two, four and eight float32
-    channel slots a lane) on a graph with a hub row on the split path and
-    thousands of short rows."""
-    from graphs import csr_from_degrees
-    g = torch.Generator().manual_seed(6)
-    deg = torch.randint(0, 9, (3000, ), generator=g)
-    deg[7] = 3000  # a hub row
-    rowptr, col = csr_from_degrees(deg, 2000, torch.int32, 'cuda')
-    d = dict(device='cuda')
-    x_l, x_r = torch.randn(2000, H, C, **d), torch.randn(3000, H, C, **d)
-    att = torch.randn(H, C, **d) * C ** -0.5  # scores of order 1
-    m = (torch.rand(col.numel(), H, **d) > 0.3).float() / 0.7
-    _check(rowptr, col, x_l, x_r, None, att, m, tol=1e-4)
 
 
 @pytest.mark.parametrize('device', DEVICES)

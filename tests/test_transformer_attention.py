@@ -13,8 +13,9 @@ from pyg_fastattn import _build, ops, reference
 from pyg_fastattn.ops._lib import use_reference
 
 from conftest import DEVICES, requires_cuda
-from graphs import (assert_bitwise, assert_deterministic, csr_from_degrees,
+from graphs import (assert_bitwise, assert_deterministic, hub_rows,
                     make_graph, noncontig)
+from test_gatv2 import _check as _check_gatv2
 from test_gatv2 import _check_half, _grads, _misaligned, _tol32
 
 KINDS = ['mixed', 'huge', 'empty', 'single', 'deg1']
@@ -117,10 +118,7 @@ def test_scales(backend, device, scale):
 def test_many_rows(backend, device):
     """More rows than fit one thread's share (the parallel row and column
     paths), a hub row."""
-    g = torch.Generator().manual_seed(5)
-    deg = torch.randint(0, 9, (20000, ), generator=g)
-    deg[7] = 3000
-    rowptr, col = csr_from_degrees(deg, 15000, torch.int32, device)
+    rowptr, col = hub_rows(20000, 15000, 5, device)
     H, C = 4, 32
     d = dict(device=device)
     q = torch.randn(20000, H, C, **d)
@@ -132,18 +130,18 @@ def test_many_rows(backend, device):
 @pytest.mark.cuda
 @pytest.mark.parametrize('H,C', [(2, 256), (1, 512), (1, 1024)])
 def test_wide_heads_hub(backend, H, C):
-    """CUDA: heads wider than 32 vector units (two, four and eight float32
-    channel slots a lane) on a graph with a hub row on the split path and
-    thousands of short rows."""
-    g = torch.Generator().manual_seed(6)
-    deg = torch.randint(0, 9, (3000, ), generator=g)
-    deg[7] = 3000
-    rowptr, col = csr_from_degrees(deg, 2000, torch.int32, 'cuda')
+    """CUDA, gatv2_attention and transformer_attention: heads wider than 32
+    vector units (two, four and eight float32 channel slots a lane) with a
+    dropout mask, on a graph with a hub row on the split path and thousands
+    of short rows."""
+    rowptr, col = hub_rows(3000, 2000, 6, 'cuda')
     d = dict(device='cuda')
-    q = torch.randn(3000, H, C, **d)
-    k, v = torch.randn(2000, H, C, **d), torch.randn(2000, H, C, **d)
+    src, dst = torch.randn(2000, H, C, **d), torch.randn(3000, H, C, **d)
     m = (torch.rand(col.numel(), H, **d) > 0.3).float() / 0.7
-    _check(rowptr, col, q, k, v, None, m, tol=1e-4, scale=C ** -0.5)
+    att = torch.randn(H, C, **d) * C ** -0.5  # scores of order 1
+    _check_gatv2(rowptr, col, src, dst, None, att, m, tol=1e-4)
+    _check(rowptr, col, dst, src, torch.randn(2000, H, C, **d), None, m,
+           tol=1e-4, scale=C ** -0.5)
 
 
 @pytest.mark.parametrize('device', DEVICES)
