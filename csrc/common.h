@@ -143,19 +143,6 @@ inline bool owner_lanes(bool dflt) {
   return env_flag("PYG_FASTATTN_OWNER_LANES", dflt);
 }
 
-// CUDA attention / softmax_aggregate, spmm and sddmm layouts (make_layout,
-// utils.cuh) of heads of at most 32 units, where a warp's lanes cannot hold
-// every head side by side: a lane keeps one head and the other heads go to
-// further tiles of the grid (each walks the row's edges again), or, with
-// one_head_a_lane() false, up to four heads a lane (KHQ = 4 kernels, whose
-// registers cost occupancy). PYG_FASTATTN_ONE_HEAD_A_LANE=0 / 1 (tests, A/B
-// runs) overrides kOneHeadALane; read at every launch.
-constexpr bool kOneHeadALane = true;
-
-inline bool one_head_a_lane() {
-  return env_flag("PYG_FASTATTN_ONE_HEAD_A_LANE", kOneHeadALane);
-}
-
 // The float32 lean attention backward with owner lanes and at least this
 // many lanes a head can keep this many entries a lane in flight (at three
 // blocks per SM instead of four); bwd_wide_batch() says whether it does:

@@ -9,35 +9,28 @@
 namespace pyg_fastattn {
 namespace cuda {
 
-// Edges whose loads a lane keeps in flight per iteration (about 4-8 vector
-// loads; fewer for 4 heads per lane of wide vectors or doubles, register
-// bound).
-template <int KHQ, int V, typename scalar_t> constexpr int edge_batch() {
-  return KHQ == 1 ? 4 : ((V >= 8 || sizeof(scalar_t) == 8) ? 1 : 2);
-}
+// Edges whose loads a lane keeps in flight per iteration.
+constexpr int kEdgeBatch = 4;
 
 // What one lane of a (row, tile) warp owns, decoded from TileLayout (see
-// utils.cuh): heads h[kh] = h0 + hs + HS * kh and, of each, the unit at
-// element offset uoff[kh] inside a node's [H, C] row.
-template <int KHQ>
+// utils.cuh): head h = h0 + hs and its unit at element offset uoff inside a
+// node's [H, C] row.
 struct LaneTile {
   int cl, hs, es;  // lane bit fields
   int LH, HS, ES;
   int64_t row;     // the warp's row (may be >= N: nothing to do)
   int ct;          // channel tile
-  int h[KHQ];
-  bool hok[KHQ];   // head inside the tile
-  bool uok[KHQ];   // head inside the tile and unit inside the head
-  int64_t uoff[KHQ];
+  int h;
+  bool hok;        // head inside the tile
+  bool uok;        // head inside the tile and unit inside the head
+  int64_t uoff;
 };
 
 // The kernels' grid is (row blocks, tiles): warp w of block (bx, t) handles
 // row bx * kWarpsPerBlock + w and tile t.
-template <int KHQ>
-__device__ __forceinline__ LaneTile<KHQ> decode_tile(const TileLayout& L,
-                                                     int V, int64_t row,
-                                                     int t, int lane) {
-  LaneTile<KHQ> T;
+__device__ __forceinline__ LaneTile decode_tile(const TileLayout& L, int V,
+                                               int64_t row, int t, int lane) {
+  LaneTile T;
   T.LH = 1 << L.lh_log;
   T.HS = 1 << L.hs_log;
   T.ES = kWarp >> (L.lh_log + L.hs_log);
@@ -50,14 +43,10 @@ __device__ __forceinline__ LaneTile<KHQ> decode_tile(const TileLayout& L,
   const int h0 = ht * L.HT;
   const int hend = min(L.H, h0 + L.HT);
   const int c = T.ct * 32 + T.cl;
-#pragma unroll
-  for (int kh = 0; kh < KHQ; ++kh) {
-    T.h[kh] = h0 + T.hs + T.HS * kh;
-    T.hok[kh] = T.h[kh] < hend;
-    T.uok[kh] = T.hok[kh] && c < L.CU;
-    T.uoff[kh] = static_cast<int64_t>(T.h[kh]) * L.C +
-                 static_cast<int64_t>(c) * V;
-  }
+  T.h = h0 + T.hs;
+  T.hok = T.h < hend;
+  T.uok = T.hok && c < L.CU;
+  T.uoff = static_cast<int64_t>(T.h) * L.C + static_cast<int64_t>(c) * V;
   return T;
 }
 
@@ -96,15 +85,15 @@ struct IdxChunk {
 // indices, fn's per-edge terms, the rows, then fn.weights' loads), so a
 // batch waits for one round trip per stage, not one per edge.
 // Fn provides edge_aux(e, in) (a per-edge word, e.g. a weight's position),
-// edge_ok(aux), and weights<EB>(T, e, j, aux, ok, w) filling w[b][kh].
-template <int V, int KHQ, typename scalar_t, typename index_t, typename Fn>
+// edge_ok(aux), and weights<EB>(T, e, j, aux, ok, w) filling w[b].
+template <int V, typename scalar_t, typename index_t, typename Fn>
 __device__ __forceinline__ void gather_accumulate(
-    const LaneTile<KHQ>& T, int rank, int nranks, int64_t start, int64_t end,
+    const LaneTile& T, int rank, int nranks, int64_t start, int64_t end,
     const index_t* __restrict__ col, int64_t Ns, int64_t D,
     const scalar_t* __restrict__ values, const Fn& fn,
-    acc_t<scalar_t> (&acc)[KHQ][V]) {
+    acc_t<scalar_t> (&acc)[V]) {
   using A = acc_t<scalar_t>;
-  constexpr int EB = edge_batch<KHQ, V, scalar_t>();
+  constexpr int EB = kEdgeBatch;
   const int64_t stride = static_cast<int64_t>(T.ES) * nranks;
   const auto slim = index_limit<index_t>(Ns);
   // the trip count is warp-uniform (fn.weights may shuffle)
@@ -137,26 +126,19 @@ __device__ __forceinline__ void gather_accumulate(
 #pragma unroll
     for (int b = 0; b < EB; ++b)
       ok[b] = ok[b] && jin[b] && fn.edge_ok(aux[b]);
-    Vec<scalar_t, V> raw[EB][KHQ];
+    Vec<scalar_t, V> raw[EB];
 #pragma unroll
     for (int b = 0; b < EB; ++b)
-#pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh)
-        raw[b][kh] = (ok[b] && T.uok[kh])
-                         ? load_vec<scalar_t, V>(values + j[b] * D + T.uoff[kh])
-                         : zero_vec<scalar_t, V>();
-    A wgt[EB][KHQ];
+      raw[b] = (ok[b] && T.uok)
+                   ? load_vec<scalar_t, V>(values + j[b] * D + T.uoff)
+                   : zero_vec<scalar_t, V>();
+    A wgt[EB];
     fn.template weights<EB>(T, e, j, aux, ok, wgt);
 #pragma unroll
     for (int b = 0; b < EB; ++b) {
-      if (!ok[b]) continue;
+      if (!ok[b] || !T.uok) continue;
 #pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh) {
-        if (!T.uok[kh]) continue;
-#pragma unroll
-        for (int v = 0; v < V; ++v)
-          acc[kh][v] += wgt[b][kh] * vec_get(raw[b][kh], v);
-      }
+      for (int v = 0; v < V; ++v) acc[v] += wgt[b] * vec_get(raw[b], v);
     }
   }
 }
@@ -186,38 +168,30 @@ __device__ __forceinline__ A from_owner(const A (&mine)[OWN], int b,
 
 // Sum acc over the edge slots (lane bits [LH*HS, 32)); every lane ends with
 // its (hs, cl) total.
-template <int V, int KHQ, typename A>
-__device__ __forceinline__ void reduce_edge_slots(const LaneTile<KHQ>& T,
-                                                  A (&acc)[KHQ][V]) {
+template <int V, typename A>
+__device__ __forceinline__ void reduce_edge_slots(const LaneTile& T,
+                                                  A (&acc)[V]) {
   for (int off = T.LH * T.HS; off < kWarp; off <<= 1) {
 #pragma unroll
-    for (int kh = 0; kh < KHQ; ++kh)
-#pragma unroll
-      for (int v = 0; v < V; ++v)
-        acc[kh][v] += __shfl_xor_sync(kFullMask, acc[kh][v], off);
+    for (int v = 0; v < V; ++v)
+      acc[v] += __shfl_xor_sync(kFullMask, acc[v], off);
   }
 }
 
 // Block-cooperative rows: sum acc over the nranks warps of the block (fixed
 // order: deterministic); rank 0 ends with the total. s_red holds
-// kWarpsPerBlock * 32 * KHQ * V values. All threads of the block call it.
-template <int V, int KHQ, typename A>
-__device__ __forceinline__ void block_sum(A (&acc)[KHQ][V], A* s_red, int rank,
+// kWarpsPerBlock * 32 * V values. All threads of the block call it.
+template <int V, typename A>
+__device__ __forceinline__ void block_sum(A (&acc)[V], A* s_red, int rank,
                                           int nranks) {
-  constexpr int Q = KHQ * V;
   const int lane = lane_id();
 #pragma unroll
-  for (int kh = 0; kh < KHQ; ++kh)
-#pragma unroll
-    for (int v = 0; v < V; ++v) s_red[(rank * kWarp + lane) * Q + kh * V + v] = acc[kh][v];
+  for (int v = 0; v < V; ++v) s_red[(rank * kWarp + lane) * V + v] = acc[v];
   __syncthreads();
   if (rank == 0) {
     for (int r = 1; r < nranks; ++r) {
 #pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh)
-#pragma unroll
-        for (int v = 0; v < V; ++v)
-          acc[kh][v] += s_red[(r * kWarp + lane) * Q + kh * V + v];
+      for (int v = 0; v < V; ++v) acc[v] += s_red[(r * kWarp + lane) * V + v];
     }
   }
   __syncthreads();
@@ -225,41 +199,33 @@ __device__ __forceinline__ void block_sum(A (&acc)[KHQ][V], A* s_red, int rank,
 
 // Edge slot 0 stores the row's units: out_row = out + i * D, plus the
 // matching units of bias [D] when given.
-template <int V, int KHQ, typename scalar_t>
-__device__ __forceinline__ void store_units(const LaneTile<KHQ>& T,
-                                            const acc_t<scalar_t> (&acc)[KHQ][V],
+template <int V, typename scalar_t>
+__device__ __forceinline__ void store_units(const LaneTile& T,
+                                            const acc_t<scalar_t> (&acc)[V],
                                             scalar_t* __restrict__ out_row,
                                             const scalar_t* __restrict__ bias = nullptr) {
-  if (T.es != 0) return;
+  if (T.es != 0 || !T.uok) return;
+  Vec<scalar_t, V> o = zero_vec<scalar_t, V>();
+  if (bias != nullptr) {
+    const Vec<scalar_t, V> b = load_vec<scalar_t, V>(bias + T.uoff);
 #pragma unroll
-  for (int kh = 0; kh < KHQ; ++kh) {
-    if (!T.uok[kh]) continue;
-    Vec<scalar_t, V> o = zero_vec<scalar_t, V>();
-    if (bias != nullptr) {
-      const Vec<scalar_t, V> b = load_vec<scalar_t, V>(bias + T.uoff[kh]);
+    for (int v = 0; v < V; ++v) vec_set(o, v, acc[v] + to_acc(vec_get(b, v)));
+  } else {
 #pragma unroll
-      for (int v = 0; v < V; ++v) vec_set(o, v, acc[kh][v] + to_acc(vec_get(b, v)));
-    } else {
-#pragma unroll
-      for (int v = 0; v < V; ++v) vec_set(o, v, acc[kh][v]);
-    }
-    store_vec<scalar_t, V>(out_row + T.uoff[kh], o);
+    for (int v = 0; v < V; ++v) vec_set(o, v, acc[v]);
   }
+  store_vec<scalar_t, V>(out_row + T.uoff, o);
 }
 
 // Edge slot 0 stores the row's units in the accumulation type (partials of
 // the split path): part_row = part + slot * D.
-template <int V, int KHQ, typename A>
-__device__ __forceinline__ void store_partial(const LaneTile<KHQ>& T,
-                                              const A (&acc)[KHQ][V],
+template <int V, typename A>
+__device__ __forceinline__ void store_partial(const LaneTile& T,
+                                              const A (&acc)[V],
                                               A* __restrict__ part_row) {
-  if (T.es != 0) return;
+  if (T.es != 0 || !T.uok) return;
 #pragma unroll
-  for (int kh = 0; kh < KHQ; ++kh) {
-    if (!T.uok[kh]) continue;
-#pragma unroll
-    for (int v = 0; v < V; ++v) part_row[T.uoff[kh] + v] = acc[kh][v];
-  }
+  for (int v = 0; v < V; ++v) part_row[T.uoff + v] = acc[v];
 }
 
 // Rows with more edges than this are processed by all warps of a block
@@ -346,31 +312,20 @@ __device__ __forceinline__ void run_rows_or_windows(
   }
 }
 
-template <int V, int KHQ, typename A>
-__device__ __forceinline__ void zero_acc(A (&acc)[KHQ][V]) {
+template <int V, typename A>
+__device__ __forceinline__ void zero_acc(A (&acc)[V]) {
 #pragma unroll
-  for (int kh = 0; kh < KHQ; ++kh)
-#pragma unroll
-    for (int v = 0; v < V; ++v) acc[kh][v] = A(0);
+  for (int v = 0; v < V; ++v) acc[v] = A(0);
 }
 
-// Host: launch kernel<V, KHQ> for the layout's (V, khq), V being the 16-byte
-// width or 1. `f` is a generic lambda taking (std::integral_constant V,
-// std::integral_constant KHQ).
+// Host: launch kernel<V> for V the 16-byte width (vec) or 1. `f` is a
+// generic lambda taking std::integral_constant V.
 template <typename scalar_t, typename F>
-inline void dispatch_vk(bool vec, int khq, F&& f) {
-  constexpr int VW = vec_width<scalar_t>();
-  if (vec) {
-    if (khq == 1)
-      f(std::integral_constant<int, VW>(), std::integral_constant<int, 1>());
-    else
-      f(std::integral_constant<int, VW>(), std::integral_constant<int, 4>());
-  } else {
-    if (khq == 1)
-      f(std::integral_constant<int, 1>(), std::integral_constant<int, 1>());
-    else
-      f(std::integral_constant<int, 1>(), std::integral_constant<int, 4>());
-  }
+inline void dispatch_v(bool vec, F&& f) {
+  if (vec)
+    f(std::integral_constant<int, vec_width<scalar_t>()>());
+  else
+    f(std::integral_constant<int, 1>());
 }
 
 }  // namespace cuda

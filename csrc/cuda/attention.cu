@@ -45,10 +45,10 @@ struct FwdHas {
 
 // Forward edge weights: p = softmax(s)[e, h] * mask[e, h], for a batch of
 // EB edges: every load of the batch is issued before the first is used.
-// OWN < EB (one head per lane, LH >= EB / OWN lanes a head): lane cl
-// computes the weights of edges b = (cl % STRIDE) + STRIDE*m only, and the
-// head's lanes take them from their owners by shuffles.
-template <typename scalar_t, int KHQ, int TERMS, int OWN>
+// OWN < EB (LH >= EB / OWN lanes a head): lane cl computes the weights of
+// edges b = (cl % STRIDE) + STRIDE*m only, and the head's lanes take them
+// from their owners by shuffles.
+template <typename scalar_t, int TERMS, int OWN>
 struct AttnFwdWeight {
   using A = acc_t<scalar_t>;
   using Has = FwdHas<TERMS>;
@@ -57,20 +57,20 @@ struct AttnFwdWeight {
   const scalar_t* __restrict__ mask;
   int H;
   A slope;
-  int h[KHQ];
-  A adst[KHQ], m[KHQ], s[KHQ], inv[KHQ];
+  int h;
+  A adst, m, s, inv;
   __device__ __forceinline__ int64_t edge_aux(int64_t, bool) const { return 0; }
   __device__ __forceinline__ bool edge_ok(int64_t) const { return true; }
   template <int EB>
-  __device__ __forceinline__ void weights(const LaneTile<KHQ>& T,
+  __device__ __forceinline__ void weights(const LaneTile& T,
                                           const int64_t (&e)[EB],
                                           const int64_t (&j)[EB],
                                           const int64_t (&)[EB],
                                           const bool (&ok)[EB],
-                                          A (&w)[EB][KHQ]) const {
+                                          A (&w)[EB]) const {
     const bool has_src = Has::src(a_src), has_edge = Has::edge(a_edge),
                has_mask = Has::mask(mask);
-    if constexpr (KHQ == 1 && OWN < EB) {
+    if constexpr (OWN < EB) {
       static_assert(EB % OWN == 0, "OWN divides the batch");
       constexpr int STRIDE = EB / OWN;
       const int own0 = T.cl & (STRIDE - 1);
@@ -80,51 +80,46 @@ struct AttnFwdWeight {
       for (int q = 0; q < OWN; ++q) {
         jo[q] = owned<STRIDE>(j, own0, q);
         eo[q] = owned<STRIDE>(e, own0, q);
-        use[q] = owned<STRIDE>(ok, own0, q) && T.hok[0];
+        use[q] = owned<STRIDE>(ok, own0, q) && T.hok;
       }
       A zs[OWN], ze[OWN], mk[OWN], al[OWN];
 #pragma unroll
       for (int q = 0; q < OWN; ++q) {
-        zs[q] = (has_src && use[q]) ? to_acc(a_src[jo[q] * H + h[0]]) : A(0);
-        ze[q] = (has_edge && use[q]) ? to_acc(a_edge[eo[q] * H + h[0]]) : A(0);
-        mk[q] = (has_mask && use[q]) ? to_acc(mask[eo[q] * H + h[0]]) : A(1);
+        zs[q] = (has_src && use[q]) ? to_acc(a_src[jo[q] * H + h]) : A(0);
+        ze[q] = (has_edge && use[q]) ? to_acc(a_edge[eo[q] * H + h]) : A(0);
+        mk[q] = (has_mask && use[q]) ? to_acc(mask[eo[q] * H + h]) : A(1);
       }
 #pragma unroll
       for (int q = 0; q < OWN; ++q) {
-        const A z = score_z(has_src, zs[q], adst[0], has_edge, ze[q]);
-        al[q] = softmax_weight(leaky(z, slope), m[0], s[0], inv[0]);
+        const A z = score_z(has_src, zs[q], adst, has_edge, ze[q]);
+        al[q] = softmax_weight(leaky(z, slope), m, s, inv);
         if (has_mask) al[q] *= mk[q];
       }
       const int gbase = lane_id() & ~(T.LH - 1);
 #pragma unroll
-      for (int b = 0; b < EB; ++b)
-        w[b][0] = from_owner<STRIDE>(al, b, gbase);
+      for (int b = 0; b < EB; ++b) w[b] = from_owner<STRIDE>(al, b, gbase);
       return;
     }
-    A zs[EB][KHQ], ze[EB][KHQ], mk[EB][KHQ];
+    A zs[EB], ze[EB], mk[EB];
 #pragma unroll
-    for (int b = 0; b < EB; ++b)
+    for (int b = 0; b < EB; ++b) {
+      const bool use = ok[b] && T.uok;
+      zs[b] = (has_src && use) ? to_acc(a_src[j[b] * H + h]) : A(0);
+      ze[b] = (has_edge && use) ? to_acc(a_edge[e[b] * H + h]) : A(0);
+      mk[b] = (has_mask && use) ? to_acc(mask[e[b] * H + h]) : A(1);
+    }
 #pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh) {
-        const bool use = ok[b] && T.uok[kh];
-        zs[b][kh] = (has_src && use) ? to_acc(a_src[j[b] * H + h[kh]]) : A(0);
-        ze[b][kh] = (has_edge && use) ? to_acc(a_edge[e[b] * H + h[kh]]) : A(0);
-        mk[b][kh] = (has_mask && use) ? to_acc(mask[e[b] * H + h[kh]]) : A(1);
-      }
-#pragma unroll
-    for (int b = 0; b < EB; ++b)
-#pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh) {
-        const A z = score_z(has_src, zs[b][kh], adst[kh], has_edge, ze[b][kh]);
-        A al = softmax_weight(leaky(z, slope), m[kh], s[kh], inv[kh]);
-        if (has_mask) al *= mk[b][kh];
-        w[b][kh] = al;
-      }
+    for (int b = 0; b < EB; ++b) {
+      const A z = score_z(has_src, zs[b], adst, has_edge, ze[b]);
+      A al = softmax_weight(leaky(z, slope), m, s, inv);
+      if (has_mask) al *= mk[b];
+      w[b] = al;
+    }
   }
 };
 
 // One warp per (row, feature tile) (TileLayout: lane = (es, hs, cl), a lane
-// owns heads hs + HS*kh and unit cl of each).
+// owns head hs and its unit cl).
 // Pass 1: per-head online max / sum of the scores; for each of its heads a
 //   lane takes edges (es * LH + cl) + ES*LH*k, so the row's (edge, head)
 //   pairs are split over all 32 lanes (a_edge loads issued with the col
@@ -132,7 +127,7 @@ struct AttnFwdWeight {
 // Pass 2: gather_accumulate (aggregate.cuh) with w = alpha * mask (OWN < EB:
 //   computed by owner lanes, AttnFwdWeight): lane
 //   (es, hs, cl) walks edges es + ES*k and accumulates its 16-byte unit of
-//   values[col[e]] for each of its heads; the ES edge slots are summed with
+//   values[col[e]] of its head; the ES edge slots are summed with
 //   shuffles; slot 0 stores them plus bias. Channel tile 0 also writes lse.
 // Rows with more than coop_edges(...) edges are shared by the 8 warps of the
 // block: edges interleaved over the warps, statistics and partial sums
@@ -142,8 +137,8 @@ struct AttnFwdWeight {
 // Edges [start, end) of row `row` (the whole row, or with PARTIAL one window
 // part of a long row, whose unnormalized sums and statistics go to slot
 // `slot` of the partials), processed by warp `rank` of `nranks`.
-template <bool PARTIAL, typename scalar_t, typename index_t, int V, int KHQ,
-          int TERMS, int OWN>
+template <bool PARTIAL, typename scalar_t, typename index_t, int V, int TERMS,
+          int OWN>
 __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
                                         const TileLayout& L, int64_t row,
                                         int64_t start, int64_t end, int rank,
@@ -151,31 +146,25 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
                                         acc_t<scalar_t>* s_s,
                                         acc_t<scalar_t>* s_red, int64_t slot) {
   using A = acc_t<scalar_t>;
-  constexpr int U = KHQ == 1 ? 4 : 2;  // pass-1 edges in flight per lane
+  constexpr int U = 4;  // pass-1 edges in flight per lane
   const int H = L.H;
   const int64_t D = static_cast<int64_t>(H) * L.C;
   const int lane = lane_id();
-  const LaneTile<KHQ> T =
-      decode_tile<KHQ>(L, V, row, static_cast<int>(blockIdx.y), lane);
+  const LaneTile T = decode_tile(L, V, row, static_cast<int>(blockIdx.y), lane);
   const int64_t i = T.row;
 
   using Has = FwdHas<TERMS>;
   const bool has_src = Has::src(a.a_src), has_edge = Has::edge(a.a_edge);
-  AttnFwdWeight<scalar_t, KHQ, TERMS, OWN> fn;
+  AttnFwdWeight<scalar_t, TERMS, OWN> fn;
   fn.a_src = a.a_src;
   fn.a_edge = a.a_edge;
   fn.mask = a.mask;
   fn.H = H;
   fn.slope = a.slope;
-#pragma unroll
-  for (int kh = 0; kh < KHQ; ++kh) {
-    fn.h[kh] = T.h[kh];
-    fn.adst[kh] = (a.a_dst != nullptr && T.hok[kh])
-                      ? to_acc(a.a_dst[i * H + T.h[kh]])
-                      : A(0);
-    fn.m[kh] = neg_inf<A>();
-    fn.s[kh] = A(0);
-  }
+  fn.h = T.h;
+  fn.adst = (a.a_dst != nullptr && T.hok) ? to_acc(a.a_dst[i * H + T.h]) : A(0);
+  fn.m = neg_inf<A>();
+  fn.s = A(0);
 
   // ---- pass 1
   const int64_t nslots = static_cast<int64_t>(T.ES) * T.LH;
@@ -185,7 +174,7 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
   for (int64_t e0 = first; e0 < end; e0 += stride * U) {
     int64_t e[U], j[U];
     bool ok[U];
-    A ae[U][KHQ], as[U][KHQ];
+    A ae[U], as[U];
     // every load of the batch is issued before the first is used
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -194,42 +183,28 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
       const index_t c = in ? a.col[e[u]] : index_t(0);
       j[u] = static_cast<int64_t>(c);
       // a_edge does not wait for col
-#pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh)
-        ae[u][kh] = (in && has_edge && T.hok[kh])
-                        ? to_acc(a.a_edge[e[u] * H + T.h[kh]])
-                        : A(0);
+      ae[u] = (in && has_edge && T.hok) ? to_acc(a.a_edge[e[u] * H + T.h])
+                                        : A(0);
       ok[u] = in && index_in(c, slim);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u)
+      as[u] = (has_src && ok[u] && T.hok) ? to_acc(a.a_src[j[u] * H + T.h])
+                                          : A(0);
+    A x[U];
 #pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh)
-        as[u][kh] = (has_src && ok[u] && T.hok[kh])
-                        ? to_acc(a.a_src[j[u] * H + T.h[kh]])
-                        : A(0);
-    A x[U][KHQ];
+    for (int u = 0; u < U; ++u) {
+      const A z = score_z(has_src, as[u], fn.adst, has_edge, ae[u]);
+      x[u] = (ok[u] && T.hok) ? leaky(z, a.slope) : neg_inf<A>();
+    }
 #pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh) {
-        const A z = score_z(has_src, as[u][kh], fn.adst[kh], has_edge, ae[u][kh]);
-        x[u][kh] = (ok[u] && T.hok[kh]) ? leaky(z, a.slope) : neg_inf<A>();
-      }
-#pragma unroll
-    for (int u = 0; u < U; ++u)
-#pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh)
-        online_add(fn.m[kh], fn.s[kh], x[u][kh]);
+    for (int u = 0; u < U; ++u) online_add(fn.m, fn.s, x[u]);
   }
   for (int off = 1; off < kWarp; off <<= 1) {
     if (off < T.LH || off >= T.LH * T.HS) {  // cl and es bits
-#pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh) {
-        const A m2 = __shfl_xor_sync(kFullMask, fn.m[kh], off);
-        const A s2 = __shfl_xor_sync(kFullMask, fn.s[kh], off);
-        online_merge(fn.m[kh], fn.s[kh], m2, s2);
-      }
+      const A m2 = __shfl_xor_sync(kFullMask, fn.m, off);
+      const A s2 = __shfl_xor_sync(kFullMask, fn.s, off);
+      online_merge(fn.m, fn.s, m2, s2);
     }
   }
   // A merge rounds in its own lane's order (s * e + s2 * e2 becomes an
@@ -239,76 +214,63 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
   // computes it (owner lanes).
   {
     const int head0 = lane & (T.LH * T.HS - 1) & ~(T.LH - 1);
-#pragma unroll
-    for (int kh = 0; kh < KHQ; ++kh) {
-      fn.m[kh] = __shfl_sync(kFullMask, fn.m[kh], head0);
-      fn.s[kh] = __shfl_sync(kFullMask, fn.s[kh], head0);
-    }
+    fn.m = __shfl_sync(kFullMask, fn.m, head0);
+    fn.s = __shfl_sync(kFullMask, fn.s, head0);
   }
   if (nranks > 1) {  // merge over the block's warps, same order everywhere
-#pragma unroll
-    for (int kh = 0; kh < KHQ; ++kh) {
-      s_m[(rank * kWarp + lane) * KHQ + kh] = fn.m[kh];
-      s_s[(rank * kWarp + lane) * KHQ + kh] = fn.s[kh];
-    }
+    s_m[rank * kWarp + lane] = fn.m;
+    s_s[rank * kWarp + lane] = fn.s;
     __syncthreads();
-#pragma unroll
-    for (int kh = 0; kh < KHQ; ++kh) {
-      fn.m[kh] = s_m[lane * KHQ + kh];
-      fn.s[kh] = s_s[lane * KHQ + kh];
-      for (int r = 1; r < nranks; ++r)
-        online_merge(fn.m[kh], fn.s[kh], s_m[(r * kWarp + lane) * KHQ + kh],
-                     s_s[(r * kWarp + lane) * KHQ + kh]);
-    }
+    fn.m = s_m[lane];
+    fn.s = s_s[lane];
+    for (int r = 1; r < nranks; ++r)
+      online_merge(fn.m, fn.s, s_m[r * kWarp + lane], s_s[r * kWarp + lane]);
     __syncthreads();
   }
-#pragma unroll
-  for (int kh = 0; kh < KHQ; ++kh) {
-    const bool w0 = rank == 0 && T.ct == 0 && T.es == 0 && T.cl == 0 && T.hok[kh];
+  {
+    const bool w0 = rank == 0 && T.ct == 0 && T.es == 0 && T.cl == 0 && T.hok;
     if (PARTIAL) {  // weights exp(x - m): the combine rescales
       if (w0) {
-        a.part_ms[(slot * H + T.h[kh]) * 2] = fn.m[kh];
-        a.part_ms[(slot * H + T.h[kh]) * 2 + 1] = fn.s[kh];
+        a.part_ms[(slot * H + T.h) * 2] = fn.m;
+        a.part_ms[(slot * H + T.h) * 2 + 1] = fn.s;
       }
-      fn.inv[kh] = A(1);
+      fn.inv = A(1);
     } else {
-      online_finish(fn.m[kh], fn.s[kh]);
-      fn.inv[kh] = fast_recip(fn.s[kh]);
-      if (w0) a.lse_out[i * H + T.h[kh]] = softmax_lse(fn.m[kh], fn.s[kh]);
+      online_finish(fn.m, fn.s);
+      fn.inv = fast_recip(fn.s);
+      if (w0) a.lse_out[i * H + T.h] = softmax_lse(fn.m, fn.s);
     }
   }
 
   // ---- pass 2
-  A acc[KHQ][V];
-  zero_acc<V, KHQ>(acc);
-  gather_accumulate<V, KHQ>(T, rank, nranks, start, end, a.col, a.Ns, D,
-                            a.values, fn, acc);
-  reduce_edge_slots<V, KHQ>(T, acc);
-  if (nranks > 1) block_sum<V, KHQ>(acc, s_red, rank, nranks);
+  A acc[V];
+  zero_acc<V>(acc);
+  gather_accumulate<V>(T, rank, nranks, start, end, a.col, a.Ns, D, a.values,
+                       fn, acc);
+  reduce_edge_slots<V>(T, acc);
+  if (nranks > 1) block_sum<V>(acc, s_red, rank, nranks);
   if (rank == 0) {
     if (PARTIAL)
-      store_partial<V, KHQ>(T, acc, a.part_acc + slot * D);
+      store_partial<V>(T, acc, a.part_acc + slot * D);
     else
-      store_units<V, KHQ>(T, acc, a.out + i * D, a.bias);
+      store_units<V>(T, acc, a.out + i * D, a.bias);
   }
 }
 
-template <typename scalar_t, typename index_t, int V, int KHQ, int TERMS,
-          int OWN>
-__global__ void __launch_bounds__(kBlock, (KHQ != 1            ? 1
-                                           : TERMS == kFwdAny ? kAttnFwdBlocksAny
-                                                              : kAttnFwdBlocks))
+template <typename scalar_t, typename index_t, int V, int TERMS, int OWN>
+__global__ void __launch_bounds__(kBlock, (TERMS == kFwdAny ? kAttnFwdBlocksAny
+                                                            : kAttnFwdBlocks))
     attention_fwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
   __shared__ int64_t s_long[kWarpsPerBlock];
-  __shared__ A s_m[kWarpsPerBlock * kWarp * KHQ];
-  __shared__ A s_s[kWarpsPerBlock * kWarp * KHQ];
-  __shared__ A s_red[kWarpsPerBlock * kWarp * KHQ * V];
+  __shared__ A s_m[kWarpsPerBlock * kWarp];
+  __shared__ A s_s[kWarpsPerBlock * kWarp];
+  __shared__ A s_red[kWarpsPerBlock * kWarp * V];
   run_rows(a.rowptr, a.N, a.E, a.coop, a.sp.split, s_long,
            [&](int64_t row, int rank, int nranks) {
     int64_t start, end;
     row_range(a.rowptr, row, a.E, start, end);
-    fwd_row<false, scalar_t, index_t, V, KHQ, TERMS, OWN>(a, L, row, start, end,
+    fwd_row<false, scalar_t, index_t, V, TERMS, OWN>(a, L, row, start, end,
                                                      rank, nranks, s_m, s_s,
                                                      s_red, 0);
   });
@@ -318,19 +280,18 @@ __global__ void __launch_bounds__(kBlock, (KHQ != 1            ? 1
 // w (window_part, utils.cuh) with its 8 warps as fwd_row's block-shared
 // rows do, writing per head the part's max m and sum s of exp(x - m) and
 // the sums of exp(x - m) * mask * values[j] (not divided by s).
-template <typename scalar_t, typename index_t, int V, int KHQ>
+template <typename scalar_t, typename index_t, int V>
 __global__ void __launch_bounds__(kBlock)
     attention_fwd_part_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
-  __shared__ A s_m[kWarpsPerBlock * kWarp * KHQ];
-  __shared__ A s_s[kWarpsPerBlock * kWarp * KHQ];
-  __shared__ A s_red[kWarpsPerBlock * kWarp * KHQ * V];
+  __shared__ A s_m[kWarpsPerBlock * kWarp];
+  __shared__ A s_s[kWarpsPerBlock * kWarp];
+  __shared__ A s_red[kWarpsPerBlock * kWarp * V];
   const int64_t w = blockIdx.x;
   for (int q = 0; q < 2; ++q) {
     int64_t row, s, t;
     if (!window_part(a.sp, a.rowptr, a.E, w, q, row, s, t)) continue;
-    fwd_row<true, scalar_t, index_t, V, KHQ, kFwdAny,
-            edge_batch<KHQ, V, scalar_t>()>(
+    fwd_row<true, scalar_t, index_t, V, kFwdAny, kEdgeBatch>(
         a, L, row, s, t, static_cast<int>(threadIdx.x >> 5), kWarpsPerBlock,
         s_m, s_s, s_red, 2 * w + q);
   }
@@ -384,45 +345,39 @@ std::tuple<at::Tensor, at::Tensor> attention_cuda(
         a.part_ms = a.part_acc + 2 * a.sp.nwin * H * C;
       }
       auto stream = at::cuda::getCurrentCUDAStream();
-      dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
-        constexpr int V = decltype(v)::value, KHQ = decltype(k)::value;
+      dispatch_v<scalar_t>(vec, [&](auto v) {
+        constexpr int V = decltype(v)::value;
         if (a.sp.nwin > 0) {
-          attention_fwd_part_kernel<scalar_t, index_t, V, KHQ>
+          attention_fwd_part_kernel<scalar_t, index_t, V>
               <<<dim3(static_cast<unsigned>(a.sp.nwin), grid.y), kBlock, 0,
                  stream>>>(a, L);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
-        // one head per lane: the common term sets get their own kernels
+        // the common term sets get their own kernels
         const int terms =
             a.mask != nullptr ? kFwdAny
             : (a.a_src != nullptr && a.a_edge == nullptr)  ? kFwdSrc
             : (a.a_src == nullptr && a.a_edge != nullptr)  ? kFwdEdge
                                                            : kFwdAny;
-        constexpr int EB = edge_batch<KHQ, V, scalar_t>();
+        constexpr int EB = kEdgeBatch;
         // OWN: edges of a batch whose weights a lane computes (EB: all;
         // 1 when a head has at least EB lanes to share them).
-        auto launch = [&](auto terms_c, auto own) {
-          attention_fwd_kernel<scalar_t, index_t, V, KHQ,
-                               decltype(terms_c)::value, decltype(own)::value>
-              <<<grid, kBlock, 0, stream>>>(a, L);
-        };
-        if constexpr (KHQ == 1) {
-          auto by_own = [&](auto terms_c) {
-            if (owner_lanes(kOwnerLanesFwd) && (1 << L.lh_log) >= EB)
-              launch(terms_c, std::integral_constant<int, 1>());
-            else
-              launch(terms_c, std::integral_constant<int, EB>());
-          };
-          if (terms == kFwdSrc)
-            by_own(std::integral_constant<int, kFwdSrc>());
-          else if (terms == kFwdEdge)
-            by_own(std::integral_constant<int, kFwdEdge>());
+        auto launch = [&](auto terms_c) {
+          if (owner_lanes(kOwnerLanesFwd) && (1 << L.lh_log) >= EB)
+            attention_fwd_kernel<scalar_t, index_t, V,
+                                 decltype(terms_c)::value, 1>
+                <<<grid, kBlock, 0, stream>>>(a, L);
           else
-            by_own(std::integral_constant<int, kFwdAny>());
-        } else {
-          launch(std::integral_constant<int, kFwdAny>(),
-                 std::integral_constant<int, EB>());
-        }
+            attention_fwd_kernel<scalar_t, index_t, V,
+                                 decltype(terms_c)::value, EB>
+                <<<grid, kBlock, 0, stream>>>(a, L);
+        };
+        if (terms == kFwdSrc)
+          launch(std::integral_constant<int, kFwdSrc>());
+        else if (terms == kFwdEdge)
+          launch(std::integral_constant<int, kFwdEdge>());
+        else
+          launch(std::integral_constant<int, kFwdAny>());
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
       launch_split_softmax_combine<scalar_t, index_t>(

@@ -123,9 +123,9 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const R& r, A aedge,
 enum BwdMode { kBwdFull = 0, kBwdLean = 1, kBwdEdge = 2 };
 
 // Entries of a column a lane has in flight per batch.
-template <typename scalar_t, int KHQ>
+template <typename scalar_t>
 constexpr int bwd_batch() {
-  return KHQ == 1 && sizeof(scalar_t) <= 4 ? 4 : 1;
+  return sizeof(scalar_t) <= 4 ? 4 : 1;
 }
 
 // Resident blocks per SM a backward variant is compiled for (common.h).
@@ -141,8 +141,8 @@ constexpr int bwd_min_blocks() {
 
 // EB: entries of a column a lane has in flight per batch (bwd_batch, or
 // kAttnBwdWideBatch for the float32 lean kernel with owner lanes).
-template <typename scalar_t, typename index_t, int V, int KHQ, int MODE,
-          bool PARTIAL, int EB, int OWN>
+template <typename scalar_t, typename index_t, int V, int MODE, bool PARTIAL,
+          int EB, int OWN>
 __global__ void __launch_bounds__(kBlock,
                                   (bwd_min_blocks<scalar_t, MODE, PARTIAL, EB>()))
     attention_bwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
@@ -150,11 +150,11 @@ __global__ void __launch_bounds__(kBlock,
   // Lean modes: each batch entry is scored by one of STRIDE lanes of its
   // head (OWN entries a lane, LH >= STRIDE); kBwdFull: by every lane.
   static_assert(OWN >= 1 && EB % OWN == 0, "OWN divides the batch");
-  static_assert(MODE != kBwdFull || (OWN == EB && EB == bwd_batch<scalar_t, KHQ>()),
+  static_assert(MODE != kBwdFull || (OWN == EB && EB == bwd_batch<scalar_t>()),
                 "kBwdFull scores every entry");
   constexpr int STRIDE = EB / OWN;
   __shared__ int64_t s_long[kWarpsPerBlock];
-  __shared__ A s_red[kWarpsPerBlock * kWarp * KHQ * V];
+  __shared__ A s_red[kWarpsPerBlock * kWarp * V];
   const int H = L.H;
   const int64_t D = static_cast<int64_t>(H) * L.C;
   constexpr bool EDGE = MODE == kBwdEdge;
@@ -170,8 +170,8 @@ __global__ void __launch_bounds__(kBlock,
   const int KC = MODE == kBwdFull ? L.KC : 1;
   auto col_body = [&](int64_t node, int rank, int nranks, int64_t start,
                       int64_t end, int64_t slot) {
-    const LaneTile<KHQ> T =
-        decode_tile<KHQ>(L, V, node, static_cast<int>(blockIdx.y), lane_id());
+    const LaneTile T =
+        decode_tile(L, V, node, static_cast<int>(blockIdx.y), lane_id());
     const int64_t j = T.row;
     const scalar_t* __restrict__ v_row = a.values + j * D;
     A* __restrict__ part = PARTIAL ? a.part_acc + slot * (D + H) : nullptr;
@@ -214,48 +214,43 @@ __global__ void __launch_bounds__(kBlock,
     };
     // Per-(edge, head) terms of a batch: row info, a_edge, mask.
     auto load_terms = [&](const index_t (&i)[EB], const index_t (&e)[EB],
-                          const bool (&ok)[EB], RI (&ri)[EB][KHQ],
-                          A (&ae)[EB][KHQ], A (&mk)[EB][KHQ]) {
+                          const bool (&ok)[EB], RI (&ri)[EB], A (&ae)[EB],
+                          A (&mk)[EB]) {
 #pragma unroll
-      for (int b = 0; b < EB; ++b)
-#pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh) {
-          const bool use = ok[b] && T.hok[kh];
-          const int h = T.h[kh];
-          if (use)
-            ri[b][kh] = rinfo[static_cast<int64_t>(i[b]) * H + h];
-          else
-            row_none(ri[b][kh]);
-          const int64_t eh = static_cast<int64_t>(e[b]) * H + h;
-          ae[b][kh] = (use && a_edge != nullptr) ? to_acc(a_edge[eh]) : A(0);
-          mk[b][kh] = (use && mask != nullptr) ? to_acc(mask[eh]) : A(1);
-        }
+      for (int b = 0; b < EB; ++b) {
+        const bool use = ok[b] && T.hok;
+        if (use)
+          ri[b] = rinfo[static_cast<int64_t>(i[b]) * H + T.h];
+        else
+          row_none(ri[b]);
+        const int64_t eh = static_cast<int64_t>(e[b]) * H + T.h;
+        ae[b] = (use && a_edge != nullptr) ? to_acc(a_edge[eh]) : A(0);
+        mk[b] = (use && mask != nullptr) ? to_acc(mask[eh]) : A(1);
+      }
     };
 
-    A asrc[KHQ], vj[KHQ][V], acc[KHQ][V], gsrc[KHQ][1];
-#pragma unroll
-    for (int kh = 0; kh < KHQ; ++kh) {
-      asrc[kh] = (!EDGE && a.a_src != nullptr && T.hok[kh])
-                     ? to_acc(a.a_src[j * H + T.h[kh]])
-                     : A(0);
-      gsrc[kh][0] = A(0);
-      const Vec<scalar_t, V> r = T.uok[kh]
-                                     ? load_vec<scalar_t, V>(v_row + T.uoff[kh])
-                                     : zero_vec<scalar_t, V>();
+    A vj[V], acc[V], gsrc[1];
+    const A asrc = (!EDGE && a.a_src != nullptr && T.hok)
+                       ? to_acc(a.a_src[j * H + T.h])
+                       : A(0);
+    gsrc[0] = A(0);
+    {
+      const Vec<scalar_t, V> r = T.uok ? load_vec<scalar_t, V>(v_row + T.uoff)
+                                       : zero_vec<scalar_t, V>();
 #pragma unroll
       for (int v = 0; v < V; ++v) {
-        vj[kh][v] = vec_get(r, v);
-        acc[kh][v] = A(0);
+        vj[v] = vec_get(r, v);
+        acc[v] = A(0);
       }
     }
 
     if constexpr (MODE != kBwdFull) {
-      // Lean modes (KHQ == 1): lane cl scores the entries b = own0 +
+      // Lean modes: lane cl scores the entries b = own0 +
       // STRIDE*m of each batch; a reduce-scatter over the head's lanes gives
       // it their dots, and the owners' weights reach every lane by shuffles.
       const int own0 = T.cl & (STRIDE - 1);
       const int gbase = lane_id() & ~(T.LH - 1);
-      const int h = T.h[0];
+      const int h = T.h;
       walk([&](const index_t (&i)[EB], const index_t (&e)[EB], int64_t k0,
                const bool (&wr)[EB], const bool (&ok)[EB]) {
         index_t io[OWN], eo[OWN];
@@ -271,7 +266,7 @@ __global__ void __launch_bounds__(kBlock,
         A ae[OWN];
 #pragma unroll
         for (int m = 0; m < OWN; ++m) {
-          const bool use = oko[m] && T.hok[0];
+          const bool use = oko[m] && T.hok;
           if (use)
             ri[m] = rinfo[static_cast<int64_t>(io[m]) * H + h];
           else
@@ -283,16 +278,16 @@ __global__ void __launch_bounds__(kBlock,
         Vec<scalar_t, V> raw[EB];
 #pragma unroll
         for (int b = 0; b < EB; ++b)
-          raw[b] = (ok[b] && T.uok[0])
+          raw[b] = (ok[b] && T.uok)
                        ? load_vec<scalar_t, V>(
-                             grad_out + static_cast<int64_t>(i[b]) * D + T.uoff[0])
+                             grad_out + static_cast<int64_t>(i[b]) * D + T.uoff)
                        : zero_vec<scalar_t, V>();
         A dot[EB];
 #pragma unroll
         for (int b = 0; b < EB; ++b) {
           A d = A(0);
 #pragma unroll
-          for (int v = 0; v < V; ++v) d += vec_get(raw[b], v) * vj[0][v];
+          for (int v = 0; v < V; ++v) d += vec_get(raw[b], v) * vj[v];
           dot[b] = d;
         }
         // Reduce-scatter over lane bits 0 .. log2(STRIDE) - 1: a lane keeps
@@ -318,157 +313,145 @@ __global__ void __launch_bounds__(kBlock,
         for (int m = 0; m < OWN; ++m) {
           A z;
           bool fin;
-          const A alpha = bwd_alpha(asrc[0], ri[m], ae[m], a.slope, z, fin);
+          const A alpha = bwd_alpha(asrc, ri[m], ae[m], a.slope, z, fin);
           const A gs = alpha * (dot[m] - ri[m].delta);
           const A gzv = fin ? (z > A(0) ? gs : gs * a.slope) : A(0);
-          if (wro[m] && T.hok[0] && T.cl < STRIDE) {
+          if (wro[m] && T.hok && T.cl < STRIDE) {
             const int64_t pos =
                 gz_csr ? (oko[m] ? static_cast<int64_t>(eo[m]) : -1)
                        : k0 + static_cast<int64_t>(own0 + STRIDE * m) * T.ES + T.es;
             if (pos >= 0) a.gz[pos * H + h] = from_acc<scalar_t>(gzv);
           }
-          gsrc[0][0] += gzv;
+          gsrc[0] += gzv;
           p[m] = alpha;
         }
 #pragma unroll
         for (int b = 0; b < EB; ++b) {
           const A pb = from_owner<STRIDE>(p, b, gbase);
 #pragma unroll
-          for (int v = 0; v < V; ++v) acc[0][v] += pb * vec_get(raw[b], v);
+          for (int v = 0; v < V; ++v) acc[v] += pb * vec_get(raw[b], v);
         }
       });
       // the owners' grad_z sums (lanes cl >= STRIDE hold copies)
-      if constexpr (STRIDE > 1) gsrc[0][0] = xor_sum(gsrc[0][0], 1, STRIDE);
+      if constexpr (STRIDE > 1) gsrc[0] = xor_sum(gsrc[0], 1, STRIDE);
     } else {
       walk([&](const index_t (&i)[EB], const index_t (&e)[EB], int64_t k0,
                const bool (&wr)[EB], const bool (&ok)[EB]) {
-        RI ri[EB][KHQ];
-        A ae[EB][KHQ], mk[EB][KHQ];
+        RI ri[EB];
+        A ae[EB], mk[EB];
         load_terms(i, e, ok, ri, ae, mk);
-        Vec<scalar_t, V> raw[EB][KHQ];
-  #pragma unroll
+        Vec<scalar_t, V> raw[EB];
+#pragma unroll
         for (int b = 0; b < EB; ++b)
-  #pragma unroll
-          for (int kh = 0; kh < KHQ; ++kh)
-            raw[b][kh] =
-                (ok[b] && T.uok[kh])
-                    ? load_vec<scalar_t, V>(grad_out + static_cast<int64_t>(i[b]) * D + T.uoff[kh])
-                    : zero_vec<scalar_t, V>();
-        A dot[EB][KHQ];
-  #pragma unroll
-        for (int b = 0; b < EB; ++b)
-  #pragma unroll
-          for (int kh = 0; kh < KHQ; ++kh) {
-            A d = A(0);
-  #pragma unroll
-            for (int v = 0; v < V; ++v) d += vec_get(raw[b][kh], v) * vj[kh][v];
-            dot[b][kh] = d;
-          }
+          raw[b] = (ok[b] && T.uok)
+                       ? load_vec<scalar_t, V>(
+                             grad_out + static_cast<int64_t>(i[b]) * D + T.uoff)
+                       : zero_vec<scalar_t, V>();
+        A dot[EB];
+#pragma unroll
+        for (int b = 0; b < EB; ++b) {
+          A d = A(0);
+#pragma unroll
+          for (int v = 0; v < V; ++v) d += vec_get(raw[b], v) * vj[v];
+          dot[b] = d;
+        }
         for (int kc = 1; kc < KC; ++kc) {  // streaming mode only
           const int c = T.cl + 32 * kc;
-          if (c < L.CU && T.hok[0]) {
-            const int64_t off = static_cast<int64_t>(T.h[0]) * L.C +
+          if (c < L.CU && T.hok) {
+            const int64_t off = static_cast<int64_t>(T.h) * L.C +
                                 static_cast<int64_t>(c) * V;
             const Vec<scalar_t, V> r = load_vec<scalar_t, V>(v_row + off);
-  #pragma unroll
+#pragma unroll
             for (int b = 0; b < EB; ++b) {
               if (!ok[b]) continue;
-              const Vec<scalar_t, V> g =
-                  load_vec<scalar_t, V>(grad_out + static_cast<int64_t>(i[b]) * D + off);
-  #pragma unroll
+              const Vec<scalar_t, V> g = load_vec<scalar_t, V>(
+                  grad_out + static_cast<int64_t>(i[b]) * D + off);
+#pragma unroll
               for (int v = 0; v < V; ++v)
-                dot[b][0] += vec_get(g, v) * vec_get(r, v);
+                dot[b] += vec_get(g, v) * vec_get(r, v);
             }
           }
         }
         // the head's LH lanes sum each dot; the batch's shuffles of one step
         // are issued together (each value's order of additions as xor_sum's)
         for (int off = 1; off < T.LH; off <<= 1) {
-  #pragma unroll
+#pragma unroll
           for (int b = 0; b < EB; ++b)
-  #pragma unroll
-            for (int kh = 0; kh < KHQ; ++kh)
-              dot[b][kh] += __shfl_xor_sync(kFullMask, dot[b][kh], off);
+            dot[b] += __shfl_xor_sync(kFullMask, dot[b], off);
         }
-  #pragma unroll
+#pragma unroll
         for (int b = 0; b < EB; ++b) {
-  #pragma unroll
-          for (int kh = 0; kh < KHQ; ++kh) {
-            A z;
-            bool fin;
-            const A alpha = bwd_alpha(asrc[kh], ri[b][kh], ae[b][kh], a.slope, z, fin);
-            const A gs = alpha * (mk[b][kh] * dot[b][kh] - ri[b][kh].delta);
-            const A gzv = fin ? (z > A(0) ? gs : gs * a.slope) : A(0);
-            if (wr[b] && T.hok[kh] && T.cl == 0) {
-              const int64_t pos =
-                  gz_csr ? (ok[b] ? static_cast<int64_t>(e[b]) : -1)
-                           : k0 + b * T.ES + T.es;
-              if (pos >= 0) a.gz[pos * H + T.h[kh]] = from_acc<scalar_t>(gzv);
-            }
-            gsrc[kh][0] += gzv;
-            const A p = alpha * mk[b][kh];
-  #pragma unroll
-            for (int v = 0; v < V; ++v) acc[kh][v] += p * vec_get(raw[b][kh], v);
+          A z;
+          bool fin;
+          const A alpha = bwd_alpha(asrc, ri[b], ae[b], a.slope, z, fin);
+          const A gs = alpha * (mk[b] * dot[b] - ri[b].delta);
+          const A gzv = fin ? (z > A(0) ? gs : gs * a.slope) : A(0);
+          if (wr[b] && T.hok && T.cl == 0) {
+            const int64_t pos =
+                gz_csr ? (ok[b] ? static_cast<int64_t>(e[b]) : -1)
+                       : k0 + b * T.ES + T.es;
+            if (pos >= 0) a.gz[pos * H + T.h] = from_acc<scalar_t>(gzv);
           }
+          gsrc[0] += gzv;
+          const A p = alpha * mk[b];
+#pragma unroll
+          for (int v = 0; v < V; ++v) acc[v] += p * vec_get(raw[b], v);
         }
       });
     }
-    reduce_edge_slots<V, KHQ>(T, acc);
-    reduce_edge_slots<1, KHQ>(T, gsrc);
+    reduce_edge_slots<V>(T, acc);
+    reduce_edge_slots<1>(T, gsrc);
     if (nranks > 1) {
-      block_sum<V, KHQ>(acc, s_red, rank, nranks);
-      block_sum<1, KHQ>(gsrc, s_red, rank, nranks);
+      block_sum<V>(acc, s_red, rank, nranks);
+      block_sum<1>(gsrc, s_red, rank, nranks);
     }
     if (rank == 0) {
       if (PARTIAL)
-        store_partial<V, KHQ>(T, acc, part);
+        store_partial<V>(T, acc, part);
       else
-        store_units<V, KHQ>(T, acc, a.gvalues + j * D);
-#pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh)
-        if (T.es == 0 && T.cl == 0 && T.hok[kh]) {
-          if (PARTIAL)
-            part[D + T.h[kh]] = gsrc[kh][0];
-          else
-            a.gsrc[j * H + T.h[kh]] = from_acc<scalar_t>(gsrc[kh][0]);
-        }
+        store_units<V>(T, acc, a.gvalues + j * D);
+      if (T.es == 0 && T.cl == 0 && T.hok) {
+        if (PARTIAL)
+          part[D + T.h] = gsrc[0];
+        else
+          a.gsrc[j * H + T.h] = from_acc<scalar_t>(gsrc[0]);
+      }
     }
 
     // Streaming mode: grad_values of units cl + 32*kc, one pass each.
     for (int kc = 1; kc < KC; ++kc) {
       const int c = T.cl + 32 * kc;
-      const bool uk = c < L.CU && T.hok[0];
+      const bool uk = c < L.CU && T.hok;
       const int64_t off =
-          static_cast<int64_t>(T.h[0]) * L.C + static_cast<int64_t>(c) * V;
-      A acc2[1][V];
-      zero_acc<V, 1>(acc2);
+          static_cast<int64_t>(T.h) * L.C + static_cast<int64_t>(c) * V;
+      A acc2[V];
+      zero_acc<V>(acc2);
       walk([&](const index_t (&i)[EB], const index_t (&e)[EB], int64_t,
                const bool (&)[EB], const bool (&ok)[EB]) {
-        RI ri[EB][KHQ];
-        A ae[EB][KHQ], mk[EB][KHQ];
+        RI ri[EB];
+        A ae[EB], mk[EB];
         load_terms(i, e, ok, ri, ae, mk);
 #pragma unroll
         for (int b = 0; b < EB; ++b) {
           if (!ok[b] || !uk) continue;
           A z;
           bool fin;
-          const A p = bwd_alpha(asrc[0], ri[b][0], ae[b][0], a.slope, z, fin) *
-                      mk[b][0];
+          const A p = bwd_alpha(asrc, ri[b], ae[b], a.slope, z, fin) * mk[b];
           const Vec<scalar_t, V> g =
               load_vec<scalar_t, V>(grad_out + static_cast<int64_t>(i[b]) * D + off);
 #pragma unroll
-          for (int v = 0; v < V; ++v) acc2[0][v] += p * vec_get(g, v);
+          for (int v = 0; v < V; ++v) acc2[v] += p * vec_get(g, v);
         }
       });
-      if (nranks > 1) block_sum<V, 1>(acc2, s_red, rank, nranks);
+      if (nranks > 1) block_sum<V>(acc2, s_red, rank, nranks);
       if (rank == 0 && uk) {
         if (PARTIAL) {
 #pragma unroll
-          for (int v = 0; v < V; ++v) part[off + v] = acc2[0][v];
+          for (int v = 0; v < V; ++v) part[off + v] = acc2[v];
         } else {
           Vec<scalar_t, V> o = zero_vec<scalar_t, V>();
 #pragma unroll
-          for (int v = 0; v < V; ++v) vec_set(o, v, acc2[0][v]);
+          for (int v = 0; v < V; ++v) vec_set(o, v, acc2[v]);
           store_vec<scalar_t, V>(a.gvalues + j * D + off, o);
         }
       }
@@ -548,11 +531,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
       const TileLayout L = make_layout(H, C, vec ? VW : 1, false);
-      // The lean modes: one head per lane, no mask or streaming units.
-      // kBwdEdge (softmax_aggregate) reads RowInfoLD, written by its prologue.
-      constexpr int EBL = bwd_batch<scalar_t, 1>();
+      // The lean modes: no mask or streaming units. kBwdEdge
+      // (softmax_aggregate) reads RowInfoLD, written by its prologue.
+      constexpr int EBL = bwd_batch<scalar_t>();
       const int LH = 1 << L.lh_log;
-      const bool lean = vec && L.khq == 1 && L.KC == 1 && !mask.defined();
+      const bool lean = vec && L.KC == 1 && !mask.defined();
       const bool edge = lean && grad_z_csr && a_edge.defined() &&
                         !a_src.defined() && !a_dst.defined();
       if (edge)
@@ -577,11 +560,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
         constexpr int M = decltype(mode)::value, B = decltype(eb)::value,
                       O = decltype(own)::value;
         if (a.sp.nwin > 0) {
-          attention_bwd_kernel<scalar_t, index_t, VW, 1, M, true, B, O>
+          attention_bwd_kernel<scalar_t, index_t, VW, M, true, B, O>
               <<<pgrid, kBlock, 0, stream>>>(a, L);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
-        attention_bwd_kernel<scalar_t, index_t, VW, 1, M, false, B, O>
+        attention_bwd_kernel<scalar_t, index_t, VW, M, false, B, O>
             <<<grid, kBlock, 0, stream>>>(a, L);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       };
@@ -616,15 +599,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
       } else if (edge) {
         launch_lean(std::integral_constant<int, kBwdEdge>());
       } else {
-        dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
-          constexpr int V = decltype(v)::value, KHQ = decltype(k)::value;
-          constexpr int O = bwd_batch<scalar_t, KHQ>();
+        dispatch_v<scalar_t>(vec, [&](auto v) {
+          constexpr int V = decltype(v)::value, O = EBL;
           if (a.sp.nwin > 0) {
-            attention_bwd_kernel<scalar_t, index_t, V, KHQ, kBwdFull, true, O, O>
+            attention_bwd_kernel<scalar_t, index_t, V, kBwdFull, true, O, O>
                 <<<pgrid, kBlock, 0, stream>>>(a, L);
             C10_CUDA_KERNEL_LAUNCH_CHECK();
           }
-          attention_bwd_kernel<scalar_t, index_t, V, KHQ, kBwdFull, false, O, O>
+          attention_bwd_kernel<scalar_t, index_t, V, kBwdFull, false, O, O>
               <<<grid, kBlock, 0, stream>>>(a, L);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         });

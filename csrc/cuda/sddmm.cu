@@ -5,8 +5,8 @@ namespace pyg_fastattn {
 namespace cuda {
 namespace {
 
-// Edges per lane per work item (2 * EB * KHQ vector loads in flight).
-template <int KHQ> constexpr int sddmm_batch() { return KHQ == 1 ? 4 : 1; }
+// Edges per lane per work item (2 * EB vector loads in flight).
+constexpr int kSddmmBatch = 4;
 
 template <typename scalar_t, typename index_t>
 struct SddmmArgs {
@@ -19,17 +19,18 @@ struct SddmmArgs {
 };
 
 // Work item = block of ES*EB consecutive edges of head tile blockIdx.y; the
-// warps of grid row y take the edge blocks grid-stride. Lane layout as TileLayout: lane (es, hs, cl) takes edges
-// es + ES*b (b < EB) of the block and, of each, heads h0 + hs + HS*kh and
-// units cl + LH*kc (16-byte loads of a and b; 2*EB*KHQ loads in flight), then
+// warps of grid row y take the edge blocks grid-stride. Lane layout as
+// TileLayout: lane (es, hs, cl) takes edges es + ES*b (b < EB) of the block
+// and, of each, head h0 + hs and units cl + LH*kc (16-byte loads of a and b;
+// 2*EB loads in flight), then
 // the partial dot products are summed over the head's LH lanes with xor
 // shuffles and lane cl == 0 writes out[e, h]. Out-of-range indices give 0.
-template <typename scalar_t, typename index_t, int V, int KHQ>
+template <typename scalar_t, typename index_t, int V>
 __global__ void __launch_bounds__(kBlock)
     sddmm_kernel(SddmmArgs<scalar_t, index_t> a, TileLayout L,
                  int64_t n_eblk) {
   using A = acc_t<scalar_t>;
-  constexpr int EB = sddmm_batch<KHQ>();
+  constexpr int EB = kSddmmBatch;
   const int lane = lane_id();
   const int LH = 1 << L.lh_log;
   const int HS = 1 << L.hs_log;
@@ -43,13 +44,8 @@ __global__ void __launch_bounds__(kBlock)
   const int h0 = static_cast<int>(blockIdx.y) * L.HT;
   for (int64_t eblk = global_warp(); eblk < n_eblk; eblk += nwarps) {
     const int hend = min(H, h0 + L.HT);
-    int h[KHQ];
-    bool hok[KHQ];
-#pragma unroll
-    for (int kh = 0; kh < KHQ; ++kh) {
-      h[kh] = h0 + hs + HS * kh;
-      hok[kh] = h[kh] < hend;
-    }
+    const int h = h0 + hs;
+    const bool hok = h < hend;
     int64_t e[EB], ia[EB], ib[EB];
     bool ok[EB];
 #pragma unroll
@@ -61,46 +57,36 @@ __global__ void __launch_bounds__(kBlock)
       ib[q] = ok[q] ? static_cast<int64_t>(a.bi[e[q]]) : 0;
       ok[q] = ok[q] && ia[q] >= 0 && ia[q] < a.Na && ib[q] >= 0 && ib[q] < a.Nb;
     }
-    A dot[EB][KHQ];
+    A dot[EB];
 #pragma unroll
-    for (int q = 0; q < EB; ++q)
-#pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh) dot[q][kh] = A(0);
+    for (int q = 0; q < EB; ++q) dot[q] = A(0);
     for (int kc = 0; kc < L.KC; ++kc) {
       const int c = cl + LH * kc;
       const bool cok = c < L.CU;
-      Vec<scalar_t, V> ra[EB][KHQ], rb[EB][KHQ];
+      Vec<scalar_t, V> ra[EB], rb[EB];
+#pragma unroll
+      for (int q = 0; q < EB; ++q) {
+        const bool go = ok[q] && hok && cok;
+        const int64_t off =
+            static_cast<int64_t>(h) * L.C + static_cast<int64_t>(c) * V;
+        ra[q] = go ? load_vec<scalar_t, V>(a.a + ia[q] * D + off)
+                   : zero_vec<scalar_t, V>();
+        rb[q] = go ? load_vec<scalar_t, V>(a.b + ib[q] * D + off)
+                   : zero_vec<scalar_t, V>();
+      }
 #pragma unroll
       for (int q = 0; q < EB; ++q)
 #pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh) {
-          const bool go = ok[q] && hok[kh] && cok;
-          const int64_t off = static_cast<int64_t>(h[kh]) * L.C +
-                              static_cast<int64_t>(c) * V;
-          ra[q][kh] = go ? load_vec<scalar_t, V>(a.a + ia[q] * D + off)
-                         : zero_vec<scalar_t, V>();
-          rb[q][kh] = go ? load_vec<scalar_t, V>(a.b + ib[q] * D + off)
-                         : zero_vec<scalar_t, V>();
-        }
-#pragma unroll
-      for (int q = 0; q < EB; ++q)
-#pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh)
-#pragma unroll
-          for (int v = 0; v < V; ++v)
-            dot[q][kh] += vec_get(ra[q][kh], v) * vec_get(rb[q][kh], v);
+        for (int v = 0; v < V; ++v)
+          dot[q] += vec_get(ra[q], v) * vec_get(rb[q], v);
     }
 #pragma unroll
-    for (int q = 0; q < EB; ++q)
-#pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh) dot[q][kh] = xor_sum(dot[q][kh], 1, LH);
+    for (int q = 0; q < EB; ++q) dot[q] = xor_sum(dot[q], 1, LH);
     if (cl == 0) {
 #pragma unroll
       for (int q = 0; q < EB; ++q)
-#pragma unroll
-        for (int kh = 0; kh < KHQ; ++kh)
-          if (e[q] < a.E && hok[kh])
-            a.out[e[q] * H + h[kh]] = from_acc<scalar_t>(dot[q][kh]);
+        if (e[q] < a.E && hok)
+          a.out[e[q] * H + h] = from_acc<scalar_t>(dot[q]);
     }
   }
 }
@@ -133,13 +119,12 @@ at::Tensor sddmm_dot_cuda(const at::Tensor& a_in, const at::Tensor& b_in,
       const bool vec = C % VW == 0 && aligned16(args.a) && aligned16(args.b);
       const TileLayout L = make_layout(H, C, vec ? VW : 1, false);
       const int ES = kWarp >> (L.lh_log + L.hs_log);
-      const int EB = L.khq == 1 ? sddmm_batch<1>() : sddmm_batch<4>();
-      const int64_t n_eblk = ceil_div(E, static_cast<int64_t>(ES) * EB);
+      const int64_t n_eblk =
+          ceil_div(E, static_cast<int64_t>(ES) * kSddmmBatch);
       PFA_CHECK(L.n_tiles <= 65535, "too many head tiles");
       auto stream = at::cuda::getCurrentCUDAStream();
-      dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
-        auto kernel = sddmm_kernel<scalar_t, index_t, decltype(v)::value,
-                                   decltype(k)::value>;
+      dispatch_v<scalar_t>(vec, [&](auto v) {
+        auto kernel = sddmm_kernel<scalar_t, index_t, decltype(v)::value>;
         // As many blocks as fit on the device at once (grid-stride loop).
         static const int occ = blocks_per_sm(kernel);
         const int64_t bx = std::max<int64_t>(

@@ -21,14 +21,14 @@ struct SpmmArgs {
 };
 
 // w(e, h) = weight[wperm[e] or e, h], or 1 without weight.
-template <typename scalar_t, typename index_t, int KHQ>
+template <typename scalar_t, typename index_t>
 struct SpmmWeight {
   using A = acc_t<scalar_t>;
   const scalar_t* __restrict__ w_;
   const index_t* __restrict__ wperm;
   int64_t Ew;
   int H;
-  int h[KHQ];
+  int h;
   // The weight's position (wperm[e] or e); in: e is inside the row.
   __device__ __forceinline__ int64_t edge_aux(int64_t e, bool in) const {
     return (w_ != nullptr && wperm != nullptr)
@@ -38,23 +38,18 @@ struct SpmmWeight {
   __device__ __forceinline__ bool edge_ok(int64_t aux) const {
     return w_ == nullptr || (aux >= 0 && aux < Ew);
   }
-  __device__ __forceinline__ A weight_of(int64_t aux, int kh) const {
-    return to_acc(w_[aux * H + h[kh]]);
-  }
   template <int EB>
-  __device__ __forceinline__ void weights(const LaneTile<KHQ>& T,
+  __device__ __forceinline__ void weights(const LaneTile& T,
                                           const int64_t (&)[EB],
                                           const int64_t (&)[EB],
                                           const int64_t (&aux)[EB],
                                           const bool (&ok)[EB],
-                                          A (&w)[EB][KHQ]) const {
+                                          A (&w)[EB]) const {
 #pragma unroll
     for (int b = 0; b < EB; ++b)
-#pragma unroll
-      for (int kh = 0; kh < KHQ; ++kh)
-        w[b][kh] = w_ == nullptr ? A(1)
-                   : (ok[b] && T.uok[kh]) ? weight_of(aux[b], kh)
-                                          : A(0);
+      w[b] = w_ == nullptr          ? A(1)
+             : (ok[b] && T.uok) ? to_acc(w_[aux[b] * H + h])
+                                    : A(0);
   }
 };
 
@@ -68,36 +63,35 @@ struct SpmmWeight {
 // edge window w (window_part, utils.cuh) with its 8 warps into slot 2w + q
 // of part; the non-partial launch skips rows over the split threshold and
 // split_sum_kernel (utils.cuh) adds their partials in window order.
-template <typename scalar_t, typename index_t, int V, int KHQ, bool PARTIAL>
+template <typename scalar_t, typename index_t, int V, bool PARTIAL>
 __global__ void __launch_bounds__(kBlock)
     spmm_kernel(SpmmArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
   __shared__ int64_t s_long[kWarpsPerBlock];
-  __shared__ A s_red[kWarpsPerBlock * kWarp * KHQ * V];
+  __shared__ A s_red[kWarpsPerBlock * kWarp * V];
   const int64_t D = static_cast<int64_t>(L.H) * L.C;
   auto body = [&](int64_t row, int rank, int nranks, int64_t start,
                   int64_t end, int64_t slot) {
-    const LaneTile<KHQ> T =
-        decode_tile<KHQ>(L, V, row, static_cast<int>(blockIdx.y), lane_id());
+    const LaneTile T =
+        decode_tile(L, V, row, static_cast<int>(blockIdx.y), lane_id());
     const int64_t i = T.row;
-    SpmmWeight<scalar_t, index_t, KHQ> fn;
+    SpmmWeight<scalar_t, index_t> fn;
     fn.w_ = a.weight;
     fn.wperm = a.wperm;
     fn.Ew = a.Ew;
     fn.H = L.H;
-#pragma unroll
-    for (int kh = 0; kh < KHQ; ++kh) fn.h[kh] = T.h[kh];
-    A acc[KHQ][V];
-    zero_acc<V, KHQ>(acc);
-    gather_accumulate<V, KHQ>(T, rank, nranks, start, end, a.col, a.Ns, D,
-                              a.values, fn, acc);
-    reduce_edge_slots<V, KHQ>(T, acc);
-    if (nranks > 1) block_sum<V, KHQ>(acc, s_red, rank, nranks);
+    fn.h = T.h;
+    A acc[V];
+    zero_acc<V>(acc);
+    gather_accumulate<V>(T, rank, nranks, start, end, a.col, a.Ns, D, a.values,
+                         fn, acc);
+    reduce_edge_slots<V>(T, acc);
+    if (nranks > 1) block_sum<V>(acc, s_red, rank, nranks);
     if (rank == 0) {
       if (PARTIAL)
-        store_partial<V, KHQ>(T, acc, a.part + slot * D);
+        store_partial<V>(T, acc, a.part + slot * D);
       else
-        store_units<V, KHQ>(T, acc, a.out + i * D);
+        store_units<V>(T, acc, a.out + i * D);
     }
   };
   run_rows_or_windows<PARTIAL>(a.sp, a.rowptr, a.N, a.E, a.coop, s_long, body);
@@ -118,9 +112,9 @@ void launch_split_partials(SpmmArgs<scalar_t, index_t>& a, const TileLayout& L,
                    opts.dtype(opmath_type(c10::CppTypeToScalarType<scalar_t>::value)));
   a.part = part.data_ptr<acc_t<scalar_t>>();
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
-    constexpr int V = decltype(v)::value, KHQ = decltype(k)::value;
-    spmm_kernel<scalar_t, index_t, V, KHQ, true>
+  dispatch_v<scalar_t>(vec, [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    spmm_kernel<scalar_t, index_t, V, true>
         <<<dim3(static_cast<unsigned>(a.sp.nwin), L.n_tiles), kBlock, 0,
            stream>>>(a, L);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -153,9 +147,9 @@ void launch_spmm(SpmmArgs<scalar_t, index_t> a, int64_t H, int64_t C,
   at::Tensor win, part;
   launch_split_partials(a, L, vec, D, opts, win, part, max_len);
   auto stream = at::cuda::getCurrentCUDAStream();
-  dispatch_vk<scalar_t>(vec, L.khq, [&](auto v, auto k) {
-    constexpr int V = decltype(v)::value, KHQ = decltype(k)::value;
-    spmm_kernel<scalar_t, index_t, V, KHQ, false>
+  dispatch_v<scalar_t>(vec, [&](auto v) {
+    constexpr int V = decltype(v)::value;
+    spmm_kernel<scalar_t, index_t, V, false>
         <<<grid, kBlock, 0, stream>>>(a, L);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

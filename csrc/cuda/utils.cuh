@@ -329,11 +329,12 @@ __device__ __forceinline__ int lane_id() { return threadIdx.x & 31; }
 //     lane = (es * HS + hs) * LH + cl
 // cl: unit within a head (LH = pow2 >= CU, at most 32),
 // hs: head slot (HS heads side by side), es: edge slot (ES = 32/(LH*HS)
-// edges side by side). A lane owns heads h0 + hs + HS * kh (kh < KHQ) and
-// unit c0 + cl of each. When CU > 32 the feature dimension is tiled (LH = 32,
-// one head per tile, 32 units per tile; "channel tiles") or, where a kernel
-// needs whole heads (attention_backward, sddmm), each lane walks units
-// cl + 32 * kc for kc < KC.
+// edges side by side). A lane owns head h0 + hs and its unit c0 + cl; heads
+// that a warp cannot hold side by side go to further tiles of the grid.
+// When CU > 32 the feature dimension is tiled (LH = 32, one head per tile,
+// 32 units per tile; "channel tiles") or, where a kernel needs whole heads
+// (attention_backward, sddmm), each lane walks units cl + 32 * kc for
+// kc < KC.
 struct TileLayout {
   int H = 0;       // heads
   int C = 0;       // channels (elements) per head
@@ -344,8 +345,6 @@ struct TileLayout {
   int n_ct = 1;    // channel tiles per head tile
   int n_tiles = 1; // tiles per row: ceil(H / HT) * n_ct
   int KC = 1;      // unit steps per lane (streaming mode, CU > 32)
-  int khq = 1;     // heads per lane (template choice: 1 or 4; see
-                   // one_head_a_lane in common.h)
 };
 
 inline int next_pow2(int64_t x) {
@@ -370,7 +369,6 @@ inline TileLayout make_layout(int64_t H, int64_t C, int V, bool channel_tiles) {
     L.lh_log = 5;
     L.hs_log = 0;
     L.HT = 1;
-    L.khq = 1;
     const int chunks = static_cast<int>((L.CU + 31) / 32);
     if (channel_tiles) {
       L.n_ct = chunks;
@@ -385,9 +383,7 @@ inline TileLayout make_layout(int64_t H, int64_t C, int V, bool channel_tiles) {
     if (HS > 32 / LH) HS = 32 / LH;
     L.lh_log = log2_pow2(LH);
     L.hs_log = log2_pow2(HS);
-    const int64_t KH = (H + HS - 1) / HS;
-    L.khq = KH <= 1 || one_head_a_lane() ? 1 : 4;
-    L.HT = static_cast<int>(H < HS * L.khq ? H : HS * L.khq);
+    L.HT = static_cast<int>(H < HS ? H : HS);
     if (L.HT < 1) L.HT = 1;
     L.n_ct = 1;
     L.KC = 1;
