@@ -197,6 +197,27 @@ __device__ __forceinline__ void block_sum(A (&acc)[V], A* s_red, int rank,
   __syncthreads();
 }
 
+template <int V, typename A>
+__device__ __forceinline__ void zero_acc(A (&acc)[V]) {
+#pragma unroll
+  for (int v = 0; v < V; ++v) acc[v] = A(0);
+}
+
+// A row's weighted sum for the lane's units, complete in rank 0: zero,
+// gather_accumulate, then the sums over edge slots and the block's warps.
+template <int V, typename scalar_t, typename index_t, typename Fn>
+__device__ __forceinline__ void aggregate_row(
+    const LaneTile& T, int rank, int nranks, int64_t start, int64_t end,
+    const index_t* __restrict__ col, int64_t Ns, int64_t D,
+    const scalar_t* __restrict__ values, const Fn& fn,
+    acc_t<scalar_t>* s_red, acc_t<scalar_t> (&acc)[V]) {
+  zero_acc<V>(acc);
+  gather_accumulate<V>(T, rank, nranks, start, end, col, Ns, D, values, fn,
+                       acc);
+  reduce_edge_slots<V>(T, acc);
+  if (nranks > 1) block_sum<V>(acc, s_red, rank, nranks);
+}
+
 // Edge slot 0 stores the row's units: out_row = out + i * D, plus the
 // matching units of bias [D] when given.
 template <int V, typename scalar_t>
@@ -310,12 +331,6 @@ __device__ __forceinline__ void run_rows_or_windows(
       body(row, rank, nranks, start, end, 0);
     });
   }
-}
-
-template <int V, typename A>
-__device__ __forceinline__ void zero_acc(A (&acc)[V]) {
-#pragma unroll
-  for (int v = 0; v < V; ++v) acc[v] = A(0);
 }
 
 // Host: launch kernel<V> for V the 16-byte width (vec) or 1. `f` is a

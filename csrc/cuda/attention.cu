@@ -244,11 +244,8 @@ __device__ __forceinline__ void fwd_row(const AttnArgs<scalar_t, index_t>& a,
 
   // ---- pass 2
   A acc[V];
-  zero_acc<V>(acc);
-  gather_accumulate<V>(T, rank, nranks, start, end, a.col, a.Ns, D, a.values,
-                       fn, acc);
-  reduce_edge_slots<V>(T, acc);
-  if (nranks > 1) block_sum<V>(acc, s_red, rank, nranks);
+  aggregate_row<V>(T, rank, nranks, start, end, a.col, a.Ns, D, a.values, fn,
+                   s_red, acc);
   if (rank == 0) {
     if (PARTIAL)
       store_partial<V>(T, acc, a.part_acc + slot * D);

@@ -244,6 +244,25 @@ __global__ void __launch_bounds__(kBlock,
       }
     }
 
+    // The lane's units of grad_out[i] for a batch, and their part of
+    // <grad_out[i, h], values[j, h]>.
+    auto rows_and_dots = [&](const index_t (&i)[EB], const bool (&ok)[EB],
+                             Vec<scalar_t, V> (&raw)[EB], A (&dot)[EB]) {
+#pragma unroll
+      for (int b = 0; b < EB; ++b)
+        raw[b] = (ok[b] && T.uok)
+                     ? load_vec<scalar_t, V>(
+                           grad_out + static_cast<int64_t>(i[b]) * D + T.uoff)
+                     : zero_vec<scalar_t, V>();
+#pragma unroll
+      for (int b = 0; b < EB; ++b) {
+        A d = A(0);
+#pragma unroll
+        for (int v = 0; v < V; ++v) d += vec_get(raw[b], v) * vj[v];
+        dot[b] = d;
+      }
+    };
+
     if constexpr (MODE != kBwdFull) {
       // Lean modes: lane cl scores the entries b = own0 +
       // STRIDE*m of each batch; a reduce-scatter over the head's lanes gives
@@ -276,20 +295,8 @@ __global__ void __launch_bounds__(kBlock,
                       : A(0);
         }
         Vec<scalar_t, V> raw[EB];
-#pragma unroll
-        for (int b = 0; b < EB; ++b)
-          raw[b] = (ok[b] && T.uok)
-                       ? load_vec<scalar_t, V>(
-                             grad_out + static_cast<int64_t>(i[b]) * D + T.uoff)
-                       : zero_vec<scalar_t, V>();
         A dot[EB];
-#pragma unroll
-        for (int b = 0; b < EB; ++b) {
-          A d = A(0);
-#pragma unroll
-          for (int v = 0; v < V; ++v) d += vec_get(raw[b], v) * vj[v];
-          dot[b] = d;
-        }
+        rows_and_dots(i, ok, raw, dot);
         // Reduce-scatter over lane bits 0 .. log2(STRIDE) - 1: a lane keeps
         // the entries whose bit matches its own and sends the others (the
         // same pairwise sums as xor_sum); then a butterfly over the rest.
@@ -341,20 +348,8 @@ __global__ void __launch_bounds__(kBlock,
         A ae[EB], mk[EB];
         load_terms(i, e, ok, ri, ae, mk);
         Vec<scalar_t, V> raw[EB];
-#pragma unroll
-        for (int b = 0; b < EB; ++b)
-          raw[b] = (ok[b] && T.uok)
-                       ? load_vec<scalar_t, V>(
-                             grad_out + static_cast<int64_t>(i[b]) * D + T.uoff)
-                       : zero_vec<scalar_t, V>();
         A dot[EB];
-#pragma unroll
-        for (int b = 0; b < EB; ++b) {
-          A d = A(0);
-#pragma unroll
-          for (int v = 0; v < V; ++v) d += vec_get(raw[b], v) * vj[v];
-          dot[b] = d;
-        }
+        rows_and_dots(i, ok, raw, dot);
         for (int kc = 1; kc < KC; ++kc) {  // streaming mode only
           const int c = T.cl + 32 * kc;
           if (c < L.CU && T.hok) {

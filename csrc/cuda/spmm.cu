@@ -82,11 +82,8 @@ __global__ void __launch_bounds__(kBlock)
     fn.H = L.H;
     fn.h = T.h;
     A acc[V];
-    zero_acc<V>(acc);
-    gather_accumulate<V>(T, rank, nranks, start, end, a.col, a.Ns, D, a.values,
-                         fn, acc);
-    reduce_edge_slots<V>(T, acc);
-    if (nranks > 1) block_sum<V>(acc, s_red, rank, nranks);
+    aggregate_row<V>(T, rank, nranks, start, end, a.col, a.Ns, D, a.values, fn,
+                     s_red, acc);
     if (rank == 0) {
       if (PARTIAL)
         store_partial<V>(T, acc, a.part + slot * D);
