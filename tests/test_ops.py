@@ -559,9 +559,16 @@ def test_many_heads(monkeypatch, dtype, heads, C, split):
         return res
 
     got, exp = run('cuda', dtype), run('cpu', torch.float64)
+    # Per-head results (scores and their gradients) are dots of C-channel
+    # rows, and a score gradient is the difference of two of them (exactly
+    # 0 on a degree-1 row): in bfloat16 (out is stored rounded) its error is
+    # that of its terms, up to |grad_out row| * |values row|.
+    terms = (go.float().norm(dim=-1).amax() *
+             xs[0].float().norm(dim=-1).amax()).cpu().reshape(1)
     for k, (a, b) in enumerate(zip(got, exp)):
         assert torch.isfinite(a).all(), k
-        _close(a.cpu(), b, dtype, f'result {k}')
+        per_head = dtype == torch.bfloat16 and a.dim() == 2
+        _close(a.cpu(), b, dtype, f'result {k}', terms if per_head else None)
 
 
 @requires_cuda
