@@ -132,6 +132,23 @@ constexpr bool kOwnerLanesFwd = true;
 constexpr bool kOwnerLanesBwdFp32 = false;
 constexpr bool kOwnerLanesBwdOther = false;
 
+// CUDA: threads per block of every kernel except the graph builders
+// (kGraphBlock).
+constexpr int kBlock = 256;
+
+// CUDA edge batches: edges whose loads a lane keeps in flight per iteration
+// in the attention / spmm aggregation (kEdgeBatch), in sddmm_dot
+// (kSddmmBatch: 2 * kSddmmBatch vector loads) and in the narrow-row
+// segment_sum (kSegEdgeBatch).
+constexpr int kEdgeBatch = 4;
+constexpr int kSddmmBatch = 4;
+constexpr int kSegEdgeBatch = 4;
+// Narrow-row segment_sum (CUDA): rows of at most kSegMaxBytes bytes take a
+// group of G lanes each (G at least kSegMinGroup), wider ones the
+// warp-per-row engine.
+constexpr int kSegMaxBytes = 32;
+constexpr int kSegMinGroup = 1;
+
 // An A/B switch: the environment variable `name` set to 0 / 1 overrides
 // dflt (unset or empty: dflt). Read at every launch, so tests can flip it.
 inline bool env_flag(const char* name, bool dflt) {

@@ -35,8 +35,8 @@ inline std::pair<int64_t, int64_t> row_range(const index_t* rowptr, int64_t i,
 // (increasing for a valid rowptr) and goes to the chunk holding its cost.
 // Threads take chunks (about 16 per thread) from a shared counter rather
 // than one fixed share each: on a shared machine a thread that loses its
-// core for a while no longer holds up the whole op (measured 2x swings on
-// the 2-core CI-like machine). Every row still goes to exactly one f call.
+// core for a while no longer holds up the whole op. Every row still goes
+// to exactly one f call.
 template <typename index_t, typename F>
 void parallel_rows(const index_t* rowptr, int64_t N, int64_t E,
                    int64_t work_per_item, const F& f) {
@@ -201,10 +201,9 @@ inline at::opmath_type<T> dot(const T* a, const U* b, int64_t n) {
 // While edge k is processed, asks the CPU to start loading the row
 // base[idx[k + 8]] of base [rows, row_size] (its first 512 bytes; the
 // hardware prefetcher follows longer rows). A loop that does real work per
-// edge (exp, scores) otherwise stalls on each random row: with the forced
-// inline below (before it, GCC deleted every prefetch) the attention
-// forward went ~57 -> ~42 ms and its backward ~74 -> ~57 ms at 1M edges x
-// 4 heads x 16, 2 threads. No-op without GCC/Clang.
+// edge (exp, scores) otherwise stalls on each random row (benchmarks/
+// RESULTS.md, "Numbers moved out of code comments"). No-op without
+// GCC/Clang.
 //
 // Forced inline: otherwise GCC finds the function free of side effects (a
 // prefetch is none, to it), marks it const and deletes every call. A

@@ -9,9 +9,6 @@
 namespace pyg_fastattn {
 namespace cuda {
 
-// Edges whose loads a lane keeps in flight per iteration.
-constexpr int kEdgeBatch = 4;
-
 // What one lane of a (row, tile) warp owns, decoded from TileLayout (see
 // utils.cuh): head h = h0 + hs and its unit at element offset uoff inside a
 // node's [H, C] row.
@@ -59,8 +56,8 @@ __device__ __forceinline__ int64_t block_row() {
 // (coalesced) and the chunk's batches take their indices by shuffles, so
 // that a batch costs one dependent memory round trip (its gathers) instead
 // of two. Used by the attention backward; the forward gathers re-read
-// indices that their first pass left in L1, where this measured slower
-// (H200: 1M x 20 x 4 x 32 forward 6.3 -> 7.2 ms).
+// indices that their first pass left in L1, where this was slower
+// (benchmarks/RESULTS.md, "Numbers moved out of code comments").
 template <typename index_t>
 struct IdxChunk {
   index_t v;

@@ -5,9 +5,6 @@ namespace pyg_fastattn {
 namespace cuda {
 namespace {
 
-// Edges per lane per work item (2 * EB vector loads in flight).
-constexpr int kSddmmBatch = 4;
-
 template <typename scalar_t, typename index_t>
 struct SddmmArgs {
   const scalar_t* a;   // [Na, H, C]

@@ -159,9 +159,6 @@ void launch_spmm(SpmmArgs<scalar_t, index_t> a, int64_t H, int64_t C,
 // such a row a whole warp (a single 16-byte unit, 32 edge slots), which is
 // latency-bound; here a row gets a group of G lanes and a warp several rows.
 
-constexpr int kSegMaxBytes = 32;  // widest row (bytes) of the narrow kernel
-constexpr int kSegEdgeBatch = 4;  // edges whose loads a lane keeps in flight
-
 // A lane's pass over edges e, e + stride, ... < end: EB edges at a time, it
 // loads their indices, then their rows of src (NU units of V elements: one
 // 16-byte vector per unit when V > 1, else guarded scalars, u < H), and adds
@@ -222,10 +219,8 @@ __device__ __forceinline__ void seg_accumulate(
 // __launch_bounds__(kBlock, 1): without a minimum of blocks ptxas capped
 // these kernels at 32-48 registers and then spilled (32-byte rows) or issued
 // the edge batch's index and row loads in dependent pairs (4 round trips per
-// batch instead of 2; H200 with perm up to 16% slower, e.g. 1M rows of
-// power-law degree (mean 20), H = 4: 763 vs 656 us); uncapped they take
-// 40-65 registers (78 for 32-byte half vectors, 103 for 16 scalar halves),
-// no spills.
+// batch instead of 2, up to 16% slower); uncapped they take 40-65 registers
+// (78 for 32-byte half vectors, 103 for 16 scalar halves), no spills.
 template <typename scalar_t, typename index_t, int V, int NU>
 __global__ void __launch_bounds__(kBlock, 1)
     segment_sum_narrow_kernel(SpmmArgs<scalar_t, index_t> a, int H,
@@ -305,17 +300,9 @@ __global__ void __launch_bounds__(kBlock, 1)
 // (random gathers), half that without (contiguous src rows), at most 32: a
 // row of average degree takes about one edge batch per lane with perm, two
 // without. E counts the perm / src entries, an upper bound of the edges in
-// rows (rowptr stays on the device). H200, 1M rows, int64, float H = 1 / 4 /
-// 8, with perm | without, in us:
-//   21 edges a row (G = 8 | 4):  387 / 553 / 594 | 66 / 109 / 173
-//     (G = 4 | 8: 409 / 570 / 609 | 105 / 125 / 191)
-//   3 edges a row (G = 1 | 1):   29 / 54 / 82 | 15 / 25 / 40
-//     (G = 4: 57 / 80 / 108 | 47 / 60 / 74)
-// against 1007 / 857 / 896 | 823 / 696 / 693 (21 edges) and 856 / 753 / 749
-// | 716 / 687 / 678 (3 edges) for the warp-per-row engine. With perm and
-// H >= 4 the time is that of the random 16-32-byte gathers (src far larger
-// than L2): G and the edge batch (2, 4, 8) change it by < 5%.
-constexpr int kSegMinGroup = 1;
+// rows (rowptr stays on the device). With perm and H >= 4 the time is that
+// of the random 16-32-byte gathers: G and the edge batch change it little
+// (benchmarks/RESULTS.md, "Numbers moved out of code comments").
 inline int seg_group_log(int64_t E, int64_t N, bool perm) {
   const int64_t per_lane = kSegEdgeBatch * (perm ? 1 : 2);
   const int64_t g = ceil_div(E, std::max<int64_t>(N, 1) * per_lane);

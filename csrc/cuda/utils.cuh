@@ -24,7 +24,6 @@ namespace pyg_fastattn {
 namespace cuda {
 
 constexpr int kWarp = 32;
-constexpr int kBlock = 256;  // threads per block for every kernel
 constexpr int kWarpsPerBlock = kBlock / kWarp;
 constexpr unsigned kFullMask = 0xffffffffu;
 

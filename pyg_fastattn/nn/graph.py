@@ -596,8 +596,8 @@ def _csc_of(rowptr: Tensor, col: Tensor, num_src: int
 
 # Opaque ops for torch.compile (traced inline, inductor's lowering of the
 # sorts and searches gave a wrong graph on CUDA). Eager code calls _csr_of /
-# _csc_of directly: the custom-op wrapper costs more host time (about 65 and
-# 27 us a call on a 2-core CPU) than the native build of a small graph.
+# _csc_of directly: the custom-op wrapper costs more host time than the
+# native build of a small graph.
 @torch.library.custom_op('pyg_fastattn::build_csr', mutates_args=())
 def _build_csr(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
                add_self_loops: bool, is_sorted: bool,
