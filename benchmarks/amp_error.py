@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _env import pick_device  # noqa: E402
-from _graphs import randn, skewed_csr  # noqa: E402
+from _graphs import generator, randn, skewed_csr  # noqa: E402
 from bench_gat import CONVS, rel_err  # noqa: E402
 
 import torch  # noqa: E402
@@ -57,7 +57,7 @@ def main():
     for graph in args.graphs.split(','):
         if graph == 'uniform':
             ei = torch.randint(N, (2, E), device=dev,
-                               generator=torch.Generator(dev).manual_seed(11))
+                               generator=generator(dev, 11))
         else:
             _, col, row = skewed_csr('power', N, E, dev, s=1.0, seed=11)
             ei = torch.stack([col, row])
