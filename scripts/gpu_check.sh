@@ -337,18 +337,18 @@ if [ $want_tests -eq 1 ]; then
 python3 -m pytest ${TEST_ARGS:-tests} -q -x -m cuda -rfEs --durations=10 -p no:cacheprovider || exit $?
 [ -z "${TEST_ENV:-}" ] || env $TEST_ENV python3 -m pytest ${TEST_ARGS:-tests} -q -x -m cuda -rfEs -p no:cacheprovider'
     else
-        # TEST_SHARDS=N runs the test files in N concurrent pytest processes
-        # (files balanced by scripts/test_shards.sh), each logging to
-        # tests_<k>.part.
+        # TEST_SHARDS=N runs the tests in N concurrent pytest processes
+        # (balanced by scripts/test_shards.sh; 12 on a machine of 12 or more
+        # cores, else 1), each logging to tests_<k>.part.
         run_step tests "${T_TESTS:-360}" '
-n=${TEST_SHARDS:-1}
+n=${TEST_SHARDS:-$(( $(nproc) >= 12 ? 12 : 1 ))}
 mapfile -t shards < <(scripts/test_shards.sh "$n" ${TEST_ARGS:-})
 pids=()
 for ((k = 0; k < n; k++)); do
     [ -n "${shards[$k]:-}" ] || continue
     read -ra sel <<<"${shards[$k]}"
     echo "shard $k: ${sel[*]}"
-    # shard 0 holds the heaviest file (test_train.py: CPU training runs)
+    # shard 0 holds the heaviest test (a CPU training run under torch.compile)
     thr=$(( $(nproc) / n )); [ $k -eq 0 ] && [ $thr -lt 4 ] && thr=$(( $(nproc) < 4 ? $(nproc) : 4 ))
     OMP_NUM_THREADS=$thr python3 -m pytest "${sel[@]}" -q -rfEs --durations=8 -p no:cacheprovider \
         >"'"$LOGS"'/tests_$k.part" 2>&1 &
