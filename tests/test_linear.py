@@ -5,10 +5,11 @@ module)."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch_geometric.nn import GATConv
 from torch_geometric.nn.dense.linear import Linear
 
 import pyg_fastattn
-from pyg_fastattn import FastGATv2Conv, FastTransformerConv, ops
+from pyg_fastattn import FastGATConv, FastGATv2Conv, FastTransformerConv, ops
 from pyg_fastattn.nn.base import plain_linear
 
 from conftest import DEVICES, requires_cuda
@@ -155,6 +156,24 @@ def test_plain_linear():
         finally:
             h.remove()
         assert plain_linear(lin, x)
+
+
+def test_pruned_linear_is_called():
+    """torch.nn.utils.prune moves the weight out of the parameters (a hook
+    computes it): not plain, so the layer calls it and matches GATConv."""
+    import torch.nn.utils.prune as prune
+    torch.manual_seed(0)
+    x, ei = torch.randn(10, 8), torch.randint(0, 10, (2, 30))
+    ref = GATConv(8, 4, heads=2)
+    conv = FastGATConv(8, 4, heads=2)
+    conv.load_state_dict(ref.state_dict())
+    for m in (ref, conv):
+        prune.l1_unstructured(m.lin, 'weight', amount=0.5)
+        m.lin.weight_mask.copy_(ref.lin.weight_mask)
+    assert 'weight' not in conv.lin._parameters
+    assert not plain_linear(conv.lin, x)
+    torch.testing.assert_close(conv(x, ei), ref(x, ei))
+
 
 def _count_linear(monkeypatch):
     calls = []

@@ -14,7 +14,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.parameter import UninitializedParameter
+from torch.nn.parameter import UninitializedParameter, UninitializedTensorMixin
 from torch_geometric.nn.conv import MessagePassing
 from torch_geometric.nn.dense.linear import Linear
 
@@ -34,9 +34,13 @@ def plain_linear(lin, x: Tensor) -> bool:
     raises)."""
     if type(lin) is not Linear:
         return False
-    w = lin.weight
+    # (_parameters: Module.__getattr__ costs host time; None where a hook
+    # computes the weight, as torch.nn.utils.prune does)
+    w = lin._parameters.get('weight')
     hooks = torch.nn.modules.module
-    return (not isinstance(w, UninitializedParameter) and x.dim() == 2
+    # (the mixin: Parameter's metaclass makes isinstance() slow)
+    return (w is not None and not isinstance(w, UninitializedTensorMixin)
+            and x.dim() == 2
             and x.size(-1) == w.size(1) and x.device == w.device
             and (x.dtype == w.dtype
                  or torch.is_autocast_enabled(x.device.type))

@@ -148,34 +148,38 @@ class FastGATConv(FusedAttentionConv, GATConv):
         """The hot path: scores, softmax, dropout, aggregation (and lin(x)
         and the bias when they can go in) in one op."""
         H = self.heads
+        # (parameters read from _parameters: Module.__getattr__ costs host
+        # time on every call)
+        params = self._parameters
+        weight = None if lin_x is None else self.lin._parameters['weight']
         a_edge_aug = self._edge_scores(edge_attr, graph)  # [E', H] or None
         a_edge = None if a_edge_aug is None else a_edge_aug[graph.csr_perm]
         mask = self.dropout_mask(graph.num_aug, H, x_src)
         autocast = torch.is_autocast_enabled(x_src.device.type)
-        dt = x_src.dtype if lin_x is None else self.lin.weight.dtype
+        dt = x_src.dtype if weight is None else weight.dtype
         a_edge = self.per_edge_cast(a_edge, dt, x_src.device)
         mask = self.per_edge_cast(mask, dt, x_src.device)
         shared = x_dst is x_src
-        bias = self.bias
+        bias = params['bias']
         # out + bias is the same [N, H * C] sum when nothing comes between
         fuse = (fuse_bias and bias is not None
                 and (autocast or bias.dtype == dt)
                 and (self.concat or H == 1))
         return ops.gat_attention(
             graph.rowptr, graph.col, graph.csc,
-            None if lin_x is not None else x_src, self.att_src,
-            None if shared else x_dst, self.att_dst, a_edge, mask,
+            None if lin_x is not None else x_src, params['att_src'],
+            None if shared else x_dst, params['att_dst'], a_edge, mask,
             self.negative_slope, dst_is_src=shared,
-            bias=bias if fuse else None, x=lin_x,
-            weight=None if lin_x is None else self.lin.weight,
+            bias=bias if fuse else None, x=lin_x, weight=weight,
             max_lengths=graph.max_lengths), fuse
 
     def _fused_lin(self, x: Tensor, want_weights) -> bool:
         """Whether ``lin(x)`` can run inside the fused op: a bias-free
         :func:`plain_linear` (else ``lin`` runs, and raises what GATConv
         raises)."""
-        return (not want_weights and plain_linear(self.lin, x)
-                and self.lin.bias is None)
+        lin = self._modules.get('lin')  # (None: lin_src / lin_dst)
+        return (not want_weights and plain_linear(lin, x)
+                and lin._parameters['bias'] is None)
 
     def _edge_terms(self, *edge_attrs: Tensor) -> List[Tensor]:
         """``<lin_edge(ea), att_edge>`` per head, [E_k, H], for each ``ea``
