@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pyg_fastattn import FastGATConv, ops, prepare
+from pyg_fastattn import (FastGATConv, FastGATv2Conv, FastTransformerConv,
+                          ops, prepare)
 from pyg_fastattn.ops import _lib
 from pyg_fastattn.ops.csr import rows_of
 
@@ -414,6 +415,40 @@ def test_autocast_matches_float32(backend, device, dtype):
     for (name, p), g in zip(model.named_parameters(), g32):
         assert p.grad.dtype == torch.float32, name
         assert _rel(p.grad, g) < 8e-2, (name, _rel(p.grad, g))
+
+
+LAYER_CONFIGS = [
+    (cls, kw) for cls in (FastGATConv, FastGATv2Conv, FastTransformerConv)
+    for kw in (dict(heads=4), dict(heads=4, concat=False),
+               dict(heads=4, bias=False), dict(heads=1),
+               dict(heads=4, concat=False, bias=False))
+] + [(FastGATConv, dict(heads=4, residual=True)),
+     (FastGATv2Conv, dict(heads=4, residual=True)),
+     (FastTransformerConv, dict(heads=4, root_weight=False))]
+
+
+@pytest.mark.parametrize('device,dtype', AMP)
+@pytest.mark.parametrize('cls,kw', LAYER_CONFIGS,
+                         ids=lambda v: v.__name__ if isinstance(v, type)
+                         else '-'.join(f'{k}={w}' for k, w in v.items()))
+def test_autocast_output_dtype(device, dtype, cls, kw):
+    """Every fused layer returns the autocast dtype in every configuration
+    (bias fused or added, concat or mean, residual), close to its float32
+    output, and its parameters' gradients come back in float32."""
+    torch.manual_seed(0)
+    x, ei, _ = _graph(device)
+    conv = cls(12, 8, **kw).to(device)
+    out32 = conv(x, ei)
+    with torch.autocast(device, dtype=dtype):
+        out = conv(x, ei)
+    assert out.dtype == dtype
+    assert _rel(out, out32) < 2e-2
+    out.float().square().sum().backward()
+    for name, p in conv.named_parameters():
+        if p.grad is not None:
+            assert p.grad.dtype == torch.float32, name
+    bias = getattr(conv, 'bias', None)  # (TransformerConv's: in its Linears)
+    assert bias is None or bias.grad is not None
 
 
 @pytest.mark.parametrize('device', CUDA_ONLY)

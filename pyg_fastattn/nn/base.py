@@ -256,7 +256,9 @@ class FusedAttentionConv(MessagePassing):
                       bias: Optional[Tensor]) -> Tensor:
         """The layer output from ``out`` [N, H, C], as PyG's GAT layers: heads
         concatenated (or averaged with ``concat=False``), then the residual
-        ``res``, then ``bias`` (None when the op added it already)."""
+        ``res``, then ``bias`` (None when the op added it already). Under
+        autocast the output keeps the autocast dtype (the bias is cast to
+        it, as the fused ops cast theirs)."""
         H, C = self.heads, self.out_channels
         if self.concat or H == 1:  # the mean of one head is that head
             out = out.view(-1, H * C)
@@ -265,8 +267,19 @@ class FusedAttentionConv(MessagePassing):
         if res is not None:
             out = out + res
         if bias is not None:
-            out = out + bias
+            out = out + self.autocast_like(bias, out)
         return out
+
+    @staticmethod
+    def autocast_like(t: Tensor, out: Tensor) -> Tensor:
+        """``t`` in ``out``'s dtype where ``out`` has the autocast dtype
+        (inside ``torch.autocast``), else ``t``: a float32 parameter added
+        to a half-precision output would make it float32."""
+        dev = out.device.type
+        if (t.dtype != out.dtype and torch.is_autocast_enabled(dev)
+                and out.dtype == torch.get_autocast_dtype(dev)):
+            return t.to(out.dtype)
+        return t
 
     @staticmethod
     def per_edge_cast(t: Optional[Tensor], dtype: torch.dtype,

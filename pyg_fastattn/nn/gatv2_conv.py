@@ -127,15 +127,16 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
     def _fuse_bias(self, x_l: Tensor, res: Optional[Tensor]) -> bool:
         """Whether the op adds the bias as it stores ``out``: nothing comes
         between (concat or one head, no residual) and the bias has the op's
-        dtype (the autocast dtype under autocast), so the sum's dtype is
-        GATv2Conv's."""
+        dtype, or autocast casts it to that dtype (as :meth:`combine_heads`
+        would)."""
         bias = self.bias
         if bias is None or res is not None or not (self.concat
                                                    or self.heads == 1):
             return False
         dt = x_l.dtype
-        if torch.is_autocast_enabled(x_l.device.type) and dt != torch.float64:
-            dt = torch.get_autocast_dtype(x_l.device.type)
+        dev = x_l.device.type
+        if torch.is_autocast_enabled(dev) and dt != torch.float64:
+            return bias.dtype != torch.float64
         return bias.dtype == dt
 
     # Hooks ##################################################################
