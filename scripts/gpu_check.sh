@@ -319,13 +319,16 @@ if os.path.exists(log):
         print(f"{(int(r[1]) - int(r[0])) / 1000:8.1f} s  {r[3]}")
 EOF
 d=$(python3 -c "from pyg_fastattn._build import info; print(info()[\"build_dir\"])")
-# xz: 9.8 MB where gzip gives 15.9 (a returned file may have 16 MiB)
-if command -v xz >/dev/null; then
+# xz: 9.8 MB where gzip gives 15.9 (a returned file may have 16 MiB). A
+# library unpacked from a carried prebuilt (no ninja log) is not packed again.
+if [ ! -f "$d/.ninja_log" ]; then
+    echo "library from a carried prebuilt: not packed again"
+elif command -v xz >/dev/null; then
     XZ_OPT="-6 -T0" tar -cJf "'"$OUT"'/prebuilt.txz" -C "$(dirname "$d")" "$(basename "$d")/pyg_fastattn_C.so"
 else
     tar -czf "'"$OUT"'/prebuilt.tgz" -C "$(dirname "$d")" "$(basename "$d")/pyg_fastattn_C.so"
 fi
-ls -l "'"$OUT"'"/prebuilt.*
+ls -l "'"$OUT"'"/prebuilt.* 2>/dev/null || true
 '
 fi
 
