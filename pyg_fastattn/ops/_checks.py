@@ -43,6 +43,14 @@ def check_same_device(**tensors):
                              f'{v0.device}; all tensors must be on one device')
 
 
+def cast_to(dtype: torch.dtype, *tensors: Optional[Tensor]) -> list:
+    """Each tensor in ``dtype`` (None stays None). A tensor already in it is
+    passed as it is, without the call of ``.to()`` (host time; the same
+    tensor either way)."""
+    return [t if t is None or t.dtype == dtype else t.to(dtype)
+            for t in tensors]
+
+
 def index_pair(rowptr: Tensor, col: Tensor):
     """Give rowptr and col one dtype (int64 if they differ)."""
     if rowptr.dtype != col.dtype:

@@ -6,7 +6,8 @@ from torch import Tensor
 
 from ..reference import _opmath
 from . import _lib
-from ._checks import check_csr, check_same_device, check_tensor, index_pair
+from ._checks import (cast_to, check_csr, check_same_device, check_tensor,
+                      index_pair)
 from .csr import CSC, maybe_csc
 
 # For each row i (destination) and edge e = (j -> i) in it, per head h:
@@ -125,8 +126,7 @@ def attention(rowptr: Tensor, col: Tensor, values: Tensor,
     them, so bad indices cannot touch memory out of bounds.
     """
     dt = values.dtype
-    args = [t.to(dt) if t is not None else None
-            for t in (a_src, a_dst, a_edge, mask)]
+    args = cast_to(dt, a_src, a_dst, a_edge, mask)
     csc_args = tuple(csc) if csc is not None else (None, ) * 4
     out, lse = _lib.op('attention')(rowptr, col, *args, values,
                                     float(negative_slope), None, *csc_args)

@@ -7,7 +7,8 @@ from torch import Tensor
 
 from ..reference import _opmath
 from . import _lib
-from ._checks import check_csr, check_same_device, check_tensor, index_pair
+from ._checks import (cast_to, check_csr, check_same_device, check_tensor,
+                      index_pair)
 from .csr import CSC, maybe_csc
 
 # For each row i (destination) and edge e = (j -> i) in it, per head h and
@@ -165,9 +166,8 @@ def gatv2_attention(rowptr: Tensor, col: Tensor, x_l: Tensor, x_r: Tensor,
     if validate:
         check_csr(rowptr, col, col.numel(), x_l.size(0))
     dt = x_l.dtype
-    args = [t.to(dt) if t is not None else None
-            for t in (x_r, edge_term, att.reshape(H, C), mask, bias)]
-    x_r, edge_term, att, mask, bias = args
+    x_r, edge_term, att, mask, bias = cast_to(dt, x_r, edge_term,
+                                              att.reshape(H, C), mask, bias)
     csc_args = tuple(csc)[:3] if csc is not None else (None, ) * 3
     out, lse = _lib.op('gatv2_attention')(rowptr, col, x_l, x_r, edge_term,
                                           att, mask, float(negative_slope),

@@ -9,7 +9,8 @@ from torch.autograd.graph import increment_version
 
 from ..reference import _opmath
 from . import _lib
-from ._checks import check_csr, check_same_device, check_tensor, index_pair
+from ._checks import (cast_to, check_csr, check_same_device, check_tensor,
+                      index_pair)
 from .csr import CSC, maybe_csc
 
 # For each row i (destination) and edge e = (j -> i) in it, per head h and
@@ -236,9 +237,8 @@ def transformer_attention(rowptr: Tensor, col: Tensor, query: Tensor,
     if validate:
         check_csr(rowptr, col, E, Ns)
     dt = key.dtype
-    query, value, edge_term, mask = [
-        t.to(dt) if t is not None else None
-        for t in (query, value, edge_term, mask)]
+    query, value, edge_term, mask = cast_to(dt, query, value, edge_term,
+                                            mask)
     csc_args = tuple(csc)[:3] if csc is not None else (None, ) * 3
     out, lse = _lib.op('transformer_attention')(rowptr, col, query, key,
                                                 value, edge_term, mask,
