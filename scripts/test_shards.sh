@@ -15,7 +15,7 @@ shift || true
 pool=("$@")
 [ ${#pool[@]} -gt 0 ] || pool=(tests/test_*.py)
 weight() {
-    case ${1#tests/} in
+    case ${1##*/} in  # the file name, with a test after :: where split
         test_train.py::test_compiled_training_reaches_eager_accuracy) echo 185 ;;
         test_train.py::test_bf16_autocast_reaches_fp32_accuracy) echo 60 ;;
         test_train.py::test_fast_gat_reaches_cora_accuracy) echo 25 ;;
