@@ -16,8 +16,8 @@ pool=("$@")
 [ ${#pool[@]} -gt 0 ] || pool=(tests/test_*.py)
 weight() {
     case ${1##*/} in  # the file name, with a test after :: where split
-        test_train.py::test_compiled_training_reaches_eager_accuracy) echo 185 ;;
-        test_train.py::test_bf16_autocast_reaches_fp32_accuracy) echo 60 ;;
+        test_train.py::test_compiled_training_reaches_eager_accuracy) echo 220 ;;
+        test_train.py::test_bf16_autocast_reaches_fp32_accuracy) echo 200 ;;
         test_train.py::test_fast_gat_reaches_cora_accuracy) echo 25 ;;
         test_train.py::test_no_data_exits_with_clear_message) echo 15 ;;
         test_train.py::*) echo 8 ;;
@@ -27,7 +27,7 @@ weight() {
         test_robustness.py::test_no_compiler_falls_back_to_reference) echo 18 ;;
         test_robustness.py::test_reference_backend_env) echo 14 ;;
         test_robustness.py::*) echo 3 ;;
-        test_compile.py) echo 170 ;;
+        test_compile.py) echo 180 ;;
         test_gatv2.py) echo 90 ;;
         test_transformer_conv.py | test_transformer_attention.py) echo 95 ;;
         test_ops.py | test_hub.py) echo 90 ;;
