@@ -53,10 +53,11 @@
 #   gpu_check.tar.gz  every log and every benchmark output (json/csv/md/png)
 #   build.log, tests.log, bench.log, profile.log   (tails of) the step logs
 #   ops_cuda.md, gat_cuda.md (gat_cuda.png is in the tarball)
-#   prebuilt.txz      the built library, xz-compressed (gzip, as prebuilt.tgz,
-#                     where xz is missing): carry it as .data/prebuilt.txz (or
-#                     .tgz), and a later call with the same sources skips the
-#                     build
+#   prebuilt.txz      what the build step built, xz-compressed (gzip, as
+#                     prebuilt.tgz, where xz is missing): the library and the
+#                     CPU-only build of the build tests; carry it as
+#                     .data/prebuilt<name>.txz (or .tgz; one name per pack), and
+#                     a later call with the same sources skips those builds
 # Data: if ./.data/Planetoid exists (a copy of shared/data carried along),
 # PYG_FASTATTN_DATA points there. Other knobs: OUT, PYG_FASTATTN_CACHE
 # (default /tmp/pyg_fastattn_cache), GPU_CHECK_WORK (scratch folder),
@@ -295,9 +296,10 @@ echo "PYG_FASTATTN_DATA=${PYG_FASTATTN_DATA:-unset}; PYG_FASTATTN_CACHE=$PYG_FAS
 # Libraries built by earlier calls (prebuilt.txz or .tgz from their $OUT,
 # carried in .data/ as prebuilt*.txz / .tgz) go into the cache: a folder's
 # name is the hash of the sources, flags and toolchain, so a library loads
-# only if nothing changed.
+# only if nothing changed. (-m: files dated now, after the sources' copy, so
+# ninja finds unpacked objects up to date.)
 for f in "$ROOT"/.data/prebuilt*.txz "$ROOT"/.data/prebuilt*.tgz; do
-    [ -f "$f" ] && mkdir -p "$PYG_FASTATTN_CACHE" && tar -xf "$f" -C "$PYG_FASTATTN_CACHE"
+    [ -f "$f" ] && mkdir -p "$PYG_FASTATTN_CACHE" && tar -xmf "$f" -C "$PYG_FASTATTN_CACHE"
 done
 
 if [ $want_build -eq 1 ]; then
@@ -319,16 +321,28 @@ if os.path.exists(log):
         print(f"{(int(r[1]) - int(r[0])) / 1000:8.1f} s  {r[3]}")
 EOF
 d=$(python3 -c "from pyg_fastattn._build import info; print(info()[\"build_dir\"])")
-# xz: 9.8 MB where gzip gives 15.9 (a returned file may have 16 MiB). A
-# library unpacked from a carried prebuilt (no ninja log) is not packed again.
-if [ ! -f "$d/.ninja_log" ]; then
-    echo "library from a carried prebuilt: not packed again"
-elif command -v xz >/dev/null; then
-    XZ_OPT="-6 -T0" tar -cJf "'"$OUT"'/prebuilt.txz" -C "$(dirname "$d")" "$(basename "$d")/pyg_fastattn_C.so"
-else
-    tar -czf "'"$OUT"'/prebuilt.tgz" -C "$(dirname "$d")" "$(basename "$d")/pyg_fastattn_C.so"
+# The CPU-only build that the build tests copy their objects from
+# (tests/test_robustness.py, _cpu_objects): one build here, not one in each
+# of those tests while the other shards run.
+c=$(PYG_FASTATTN_CUDA=0 python3 -c "from pyg_fastattn import _build as b; r = b._csrc(); print(b._build_dir(r, b._sources(r, False), False, b._flags(False)))")
+had_cpu=$([ -f "$c/pyg_fastattn_C.so" ] && echo 1 || echo 0)
+PYG_FASTATTN_CUDA=0 python3 -m pyg_fastattn.build || exit $?
+# What this call built goes into prebuilt.txz: the library (xz: 9.8 MB where
+# gzip gives 15.9; a returned file may have 16 MiB) and the CPU-only folder
+# (objects included, under 1 MB). A library unpacked from a carried prebuilt
+# (no ninja log) is not packed again.
+pack=()
+if [ -f "$d/.ninja_log" ]; then pack+=("$(basename "$d")/pyg_fastattn_C.so")
+else echo "library from a carried prebuilt: not packed again"; fi
+[ $had_cpu -eq 0 ] && [ "$c" != "$d" ] && pack+=("$(basename "$c")")
+if [ ${#pack[@]} -gt 0 ]; then
+    if command -v xz >/dev/null; then
+        XZ_OPT="-6 -T0" tar -cJf "'"$OUT"'/prebuilt.txz" --exclude=lock -C "$(dirname "$d")" "${pack[@]}"
+    else
+        tar -czf "'"$OUT"'/prebuilt.tgz" --exclude=lock -C "$(dirname "$d")" "${pack[@]}"
+    fi
 fi
-ls -l "'"$OUT"'"/prebuilt.* 2>/dev/null || true
+ls -l "'"$OUT"'"/prebuilt* 2>/dev/null || true
 '
 fi
 

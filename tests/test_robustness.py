@@ -7,6 +7,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -337,14 +338,29 @@ def test_reference_backend_env(tmp_path):
     assert not any(tmp_path.iterdir()), 'reference backend must not build'
 
 
-def _native_cpu_cache(tmp_path):
-    """The environment of a CPU-only native build into the fresh cache
-    ``tmp_path``. When this process has a CPU-only build, its compiled
-    objects are copied in (not the library, not the lock): a build there is
-    then ninja's link step, not minutes of compiling."""
+def _cpu_objects() -> Optional[Path]:
+    """A folder of compiled CPU-only objects for these sources: this
+    process's build when it is CPU-only, else the CPU-only build in this
+    process's cache (``gpu_check.sh`` builds one on a CUDA machine), or
+    None."""
     st = _build.load()
     if st.native and not st.cuda and st.build_dir:
-        src = Path(st.build_dir)
+        return Path(st.build_dir)
+    root = _build._csrc()
+    if root is None:
+        return None
+    d = _build._build_dir(root, _build._sources(root, False), False,
+                          _build._flags(False))
+    return d if any(d.glob('*.o')) else None
+
+
+def _native_cpu_cache(tmp_path):
+    """The environment of a CPU-only native build into the fresh cache
+    ``tmp_path``. Compiled CPU-only objects (:func:`_cpu_objects`) are
+    copied in when there are any (not the library, not the lock): a build
+    there is then ninja's link step, not minutes of compiling."""
+    src = _cpu_objects()
+    if src is not None:
         shutil.copytree(src, tmp_path / src.name, ignore=shutil.ignore_patterns(
             '*.so', 'lock'))
     return dict(os.environ, PYG_FASTATTN_CACHE=str(tmp_path),
