@@ -241,7 +241,9 @@ def test_int32_edge_index(backend, loops):
     ei = random_graph(20, 20, 80).to(torch.int32)
     x = torch.randn(20, 8, dtype=dtype)
     # GATConv's own gradients are wrong for int32 without self-loops (torch
-    # 2.13, PyG 2.8.1), so compare against its int64 results ...
+    # 2.13 CPU: torch.gather with a broadcast int32 index, which PyG's
+    # scatter backward is, returns wrong rows), so compare against its int64
+    # results ...
     r1, r2 = run(ref, x, ei.long(), attention=True), run(fast, x, ei,
                                                          attention=True)
     e_ref = ref(x, ei, return_attention_weights=True)[1][0]
