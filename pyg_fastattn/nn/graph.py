@@ -722,19 +722,18 @@ def _prepare(edge_index, num_src: Optional[int], num_dst: Optional[int],
                       _validation_mode(validate, src.device))
     _check_edge_index(edge_index)
     dst_ptr = T = None
-    compiling = _is_compiling()
     if (_EdgeIndex is not None and isinstance(edge_index, _EdgeIndex)
-            and not compiling):
+            and not _is_compiling()):
         num_src, num_dst, by_dst, dst_ptr, T = _edge_index_meta(
             edge_index, num_src, num_dst)
         if sorted is None:
             sorted = by_dst
-    if type(edge_index) is not Tensor and not compiling:
+    if type(edge_index) is not Tensor and not _is_compiling():
         edge_index = _plain(edge_index)
     src, dst = edge_index[0], edge_index[1]
     mode = _validation_mode(validate, src.device)
     if num_src is None or num_dst is None:
-        if compiling:
+        if _is_compiling():
             raise ValueError(
                 'under torch.compile, pass the node counts (prepare(..., '
                 'num_nodes=) or size=): reading them from the indices needs '
@@ -743,12 +742,12 @@ def _prepare(edge_index, num_src: Optional[int], num_dst: Optional[int],
         if mode == 'async':
             mode = 'sync'  # synchronized already: name the error
     if sorted is None:
-        sorted = (src.device.type == 'cpu' and not compiling
+        sorted = (src.device.type == 'cpu' and not _is_compiling()
                   and _is_sorted_cpu(dst))
     if not sorted:
         dst_ptr = T = None
     csc = None
-    if T is not None and not add_self_loops and not compiling:
+    if T is not None and not add_self_loops and not _is_compiling():
         idx = _index_dtype(src.numel(), num_src, num_dst)
         csc = _csc_from_transpose(T, src, dst, idx, num_src)
     return _build(src, dst, num_src, num_dst, add_self_loops, 'edge_index',
