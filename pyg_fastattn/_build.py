@@ -134,6 +134,13 @@ def _build_dir(root: Path, srcs: List[str], with_cuda: bool, flags) -> Path:
     return Path(base) / f'torch{torch.__version__}-{tag}-{h.hexdigest()[:12]}'
 
 
+def _build_dir_for(root: Path, with_cuda: bool) -> Path:
+    """The build folder of the sources under ``root``, with or without the
+    CUDA kernels (a CPU-only build: ``with_cuda=False``)."""
+    return _build_dir(root, _sources(root, with_cuda), with_cuda,
+                      _flags(with_cuda))
+
+
 class _Progress(threading.Thread):
     """While a build runs: every ``interval`` seconds, one stderr line with
     the object files in ``bdir`` out of ``total`` sources (ninja writes an

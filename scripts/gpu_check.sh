@@ -324,7 +324,7 @@ d=$(python3 -c "from pyg_fastattn._build import info; print(info()[\"build_dir\"
 # The CPU-only build that the build tests copy their objects from
 # (tests/test_robustness.py, _cpu_objects): one build here, not one in each
 # of those tests while the other shards run.
-c=$(PYG_FASTATTN_CUDA=0 python3 -c "from pyg_fastattn import _build as b; r = b._csrc(); print(b._build_dir(r, b._sources(r, False), False, b._flags(False)))")
+c=$(python3 -c "from pyg_fastattn import _build as b; print(b._build_dir_for(b._csrc(), False))")
 had_cpu=$([ -f "$c/pyg_fastattn_C.so" ] && echo 1 || echo 0)
 PYG_FASTATTN_CUDA=0 python3 -m pyg_fastattn.build || exit $?
 # What this call built goes into prebuilt.txz: the library (xz: 9.8 MB where

@@ -311,9 +311,7 @@ def test_broken_cache_falls_back_to_reference(tmp_path):
         import torch, sys
         from pathlib import Path
         from pyg_fastattn import _build
-        root = _build._csrc()
-        srcs = _build._sources(root, False)
-        d = _build._build_dir(root, srcs, False, _build._flags(False))
+        d = _build._build_dir_for(_build._csrc(), False)
         d.mkdir(parents=True)
         (d / (_build.NAME + '.so')).write_bytes(b'not a shared library')
         print(d)
@@ -339,18 +337,15 @@ def test_reference_backend_env(tmp_path):
 
 
 def _cpu_objects() -> Optional[Path]:
-    """A folder of compiled CPU-only objects for these sources: this
-    process's build when it is CPU-only, else the CPU-only build in this
-    process's cache (``gpu_check.sh`` builds one on a CUDA machine), or
+    """The CPU-only build folder of these sources in this process's cache
+    when it holds compiled objects (this process's own build when it is
+    CPU-only; on a CUDA machine the one ``gpu_check.sh`` builds), else
     None."""
-    st = _build.load()
-    if st.native and not st.cuda and st.build_dir:
-        return Path(st.build_dir)
+    _build.load()  # (a CPU-only process builds its library here)
     root = _build._csrc()
     if root is None:
         return None
-    d = _build._build_dir(root, _build._sources(root, False), False,
-                          _build._flags(False))
+    d = _build._build_dir_for(root, False)
     return d if any(d.glob('*.o')) else None
 
 
@@ -372,7 +367,6 @@ def test_build_key_has_whole_compiler_version(tmp_path, monkeypatch):
     (as nvcc's: its first line names no version) get different build
     folders; CUDA sources come first in the build order."""
     root = _build._csrc()
-    srcs = _build._sources(root, False)
     dirs = []
     for release in ('12.8', '13.0'):
         cc = tmp_path / f'cc{release}'
@@ -381,7 +375,7 @@ def test_build_key_has_whole_compiler_version(tmp_path, monkeypatch):
         cc.chmod(0o755)
         monkeypatch.setenv('CXX', str(cc))
         monkeypatch.setenv('PYG_FASTATTN_CACHE', str(tmp_path))
-        dirs.append(_build._build_dir(root, srcs, False, _build._flags(False)))
+        dirs.append(_build._build_dir_for(root, False))
     assert dirs[0] != dirs[1]
     assert 'release 13.0' in _build._version([str(cc)])
     order = [Path(f).suffix for f in _build._sources(root, True)]
@@ -435,9 +429,7 @@ def test_stale_build_lock_does_not_hang(tmp_path):
     env = _native_cpu_cache(tmp_path)
     code = """
         from pyg_fastattn import _build
-        root = _build._csrc()
-        d = _build._build_dir(root, _build._sources(root, False), False,
-                              _build._flags(False))
+        d = _build._build_dir_for(_build._csrc(), False)
         d.mkdir(parents=True, exist_ok=True)
         (d / 'lock').touch()
     """
