@@ -17,6 +17,9 @@ Providers (``--providers``, default all; table order)
                    A compile failure is recorded in its row.
   ``fast``         pyg_fastattn.FastGATConv, loaded with the same state_dict
                    and called the drop-in way (``conv(x, edge_index)``)
+  ``fast_compile`` ``torch.compile`` (default inductor mode) of the fast
+                   model or layer, compiled afresh per workload, in the
+                   second pass as ``pyg_compile``
   ``fast_bf16``    ``fast`` under ``torch.autocast(device, torch.bfloat16)``
                    (forward and loss; backward outside, as AMP does)
   ``fast+graph``   (``--cuda-graph``, epochs only) the fast training step
@@ -86,8 +89,9 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch_geometric.nn import GATConv  # noqa: E402
 
-PROVIDERS = ('pyg', 'pyg_compile', 'fast', 'fast_bf16', 'fast+graph', 'floor')
-COMPILED = ('pyg_compile', )  # run in a second pass over the workloads
+PROVIDERS = ('pyg', 'pyg_compile', 'fast', 'fast_compile', 'fast_bf16',
+             'fast+graph', 'floor')
+COMPILED = ('pyg_compile', 'fast_compile')  # run in a second pass over the workloads
 
 _FAST_ERR = None
 try:
@@ -455,13 +459,13 @@ def epoch_workload(name, dev, args, provs) -> List[dict]:
         replay = None
         free_memory(dev)
 
-    # PyG under torch.compile: the eval-mode check would compile a second
-    # graph, so no rel_err here.
-    if 'pyg_compile' in provs:
-        r = run('pyg_compile', lambda: compile_fresh(build(pyg_cls(args))),
-                check=False)
-        compile_stats(r)
-        torch._dynamo.reset()
+    # Compiled models: the eval-mode check would compile a second graph, so
+    # no rel_err here.
+    for p, cls in (('pyg_compile', pyg_cls), ('fast_compile', fast_cls)):
+        if p in provs:
+            r = run(p, lambda: compile_fresh(build(cls(args))), check=False)
+            compile_stats(r)
+            torch._dynamo.reset()
     ref = None
     free_memory(dev)
     return recs
@@ -531,7 +535,8 @@ def layer_workload(N, E, fin, H, C, mode, dev, args, provs,
         recs.append(r)
         if r['status'] == 'ok':
             st, ref, _ = guarded(lambda: fn_for(pyg_conv)(), dev)
-    elif any(p in provs for p in ('fast', 'fast_bf16', 'pyg_compile')):
+    elif any(p in provs for p in ('fast', 'fast_bf16', 'pyg_compile',
+                                  'fast_compile')):
         st, ref, _ = guarded(lambda: fn_for(pyg_conv)(), dev)
     pyg_conv = None
     free_memory(dev)
@@ -584,11 +589,13 @@ def layer_workload(N, E, fin, H, C, mode, dev, args, provs,
         floor = None
         free_memory(dev)
 
-    if 'pyg_compile' in provs:
-        r = dict(base, provider='pyg_compile')
+    for p, cls in (('pyg_compile', pyg_cls), ('fast_compile', fast_cls)):
+        if p not in provs:
+            continue
+        r = dict(base, provider=p)
         recs.append(r)
         st, comp, msg = guarded(lambda: compile_fresh(load_matching(
-            pyg_cls(args)(fin, C, heads=H).to(dev), state)), dev)
+            cls(args)(fin, C, heads=H).to(dev), state)), dev)
         if st != 'ok':
             r.update(status=st, message=msg)
         else:
@@ -762,8 +769,8 @@ def markdown(meta, records) -> str:
                 and r.get('message'):
             notes.append(f"- {r['workload']} [{r['provider']}]: "
                          f"{r['status']}: {r['message']}")
-        if r['provider'] == 'pyg_compile' and r.get('status') == 'ok':
-            notes.append(f"- {r['workload']} [pyg_compile]: "
+        if r['provider'] in COMPILED and r.get('status') == 'ok':
+            notes.append(f"- {r['workload']} [{r['provider']}]: "
                          f"{r.get('compile_graphs')} graph(s), "
                          f"{r.get('graph_breaks')} graph break(s); first call "
                          f"incl. compile {fmt(r.get('first_ms', 0) / 1e3)} s")
