@@ -141,6 +141,9 @@ def test_random_config_compiled_matches_eager(seed, device):
     def step(x, xd):
         return call(layer, (x, xd) if bip else x, ei, ea, size, False)
 
+    # One code object (step) across all cases: a fresh Dynamo cache each time,
+    # or the recompile limit (8) fails a fullgraph compile after 8 cases.
+    torch._dynamo.reset()
     runs = []
     for fn in (step, torch.compile(step, backend='inductor', fullgraph=True)):
         xs = [x.clone().requires_grad_()] + (
