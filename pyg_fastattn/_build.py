@@ -10,6 +10,8 @@ and a hash of the sources, so later imports just load it.
 * ``PYG_FASTATTN_CACHE`` sets the cache folder (default
   ``~/.cache/pyg_fastattn``); ``PYG_FASTATTN_VERBOSE=1`` shows the compiler.
 * ``PYG_FASTATTN_CUDA=0`` skips the CUDA kernels even when nvcc is found.
+* ``PYG_FASTATTN_CPU_ARCH=0`` builds the CPU kernels for baseline x86-64
+  rather than x86-64-v3 (AVX2) where the CPU has it (same results).
 
 A build prints one line when it starts and, every 30 seconds, how many of
 its source files are compiled (``PYG_FASTATTN_VERBOSE=1`` shows the compiler
@@ -77,8 +79,47 @@ def _sources(root: Path, with_cuda: bool) -> List[str]:
     return srcs
 
 
+_X86_64_V3 = {'avx', 'avx2', 'bmi1', 'bmi2', 'f16c', 'fma', 'abm', 'movbe',
+              'xsave'}
+_cpu_arch: Optional[List[str]] = None
+
+
+def _cpu_arch_flags() -> List[str]:
+    """``-march=x86-64-v3`` (AVX2, FMA) where this CPU has its features and
+    the compiler takes the flag, else none (also with
+    ``PYG_FASTATTN_CPU_ARCH=0``). Without FMA contraction the kernels give
+    the baseline build's results bit for bit. The flags are in the build
+    key, so a CPU without them never loads such a build from a shared
+    cache."""
+    global _cpu_arch
+    if _cpu_arch is not None:
+        return _cpu_arch
+    _cpu_arch = []
+    if (os.environ.get('PYG_FASTATTN_CPU_ARCH', '1') == '0'
+            or not sys.platform.startswith('linux')
+            or os.uname().machine != 'x86_64'):
+        return _cpu_arch
+    try:
+        with open('/proc/cpuinfo') as f:
+            have = next((line.split(':', 1)[1].split() for line in f
+                         if line.startswith('flags')), [])
+    except OSError:
+        return _cpu_arch
+    flags = ['-march=x86-64-v3', '-ffp-contract=off']
+    if _X86_64_V3 <= set(have):
+        try:  # GCC >= 11, clang >= 12
+            r = subprocess.run([os.environ.get('CXX', 'c++'), *flags, '-E',
+                                '-x', 'c++', os.devnull],
+                               capture_output=True, timeout=60)
+            if r.returncode == 0:
+                _cpu_arch = flags
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return _cpu_arch
+
+
 def _flags(with_cuda: bool):
-    cflags = ['-O3']
+    cflags = ['-O3', *_cpu_arch_flags()]
     ldflags = []
     if sys.platform.startswith('linux'):
         cflags.append('-fopenmp')  # at::parallel_for runs serially without it

@@ -382,6 +382,29 @@ def test_build_key_has_whole_compiler_version(tmp_path, monkeypatch):
     assert order == sorted(order, key=lambda s: s != '.cu') and '.cu' in order
 
 
+def test_cpu_arch_flags(tmp_path, monkeypatch):
+    """x86-64-v3 code only where /proc/cpuinfo shows every feature of it,
+    never with FMA contraction, nothing with PYG_FASTATTN_CPU_ARCH=0; the
+    flags are part of the build key."""
+    monkeypatch.setenv('PYG_FASTATTN_CACHE', str(tmp_path))
+    root = _build._csrc()
+    keys = {}
+    for env in ('1', '0'):
+        monkeypatch.setenv('PYG_FASTATTN_CPU_ARCH', env)
+        monkeypatch.setattr(_build, '_cpu_arch', None)
+        flags = _build._cpu_arch_flags()
+        assert set(flags) <= set(_build._flags(False)[0])
+        keys[env] = (flags, _build._build_dir_for(root, False))
+    monkeypatch.setattr(_build, '_cpu_arch', None)  # the next call looks again
+    flags, _ = keys['1']
+    assert keys['0'][0] == []
+    assert flags in ([], ['-march=x86-64-v3', '-ffp-contract=off'])
+    if flags:
+        have = set(Path('/proc/cpuinfo').read_text().split())
+        assert _build._X86_64_V3 <= have
+        assert keys['1'][1] != keys['0'][1]
+
+
 def test_build_progress_lines(tmp_path, capsys):
     """While a build runs, a stderr line at each interval counts the object
     files ninja has written out of the sources; none after it stops."""
