@@ -56,6 +56,9 @@ def main():
     ap.add_argument('--channels', default='128,4,32', help='F,H,C')
     ap.add_argument('--min-mib', type=float, default=1.0)
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit('memory_peak.py needs a CUDA device (it reads the CUDA '
+                 'caching allocator\'s trace)')
     dev = torch.device('cuda')
     N, E = args.nodes, args.edges
     F, H, C = (int(v) for v in args.channels.split(','))
