@@ -17,14 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _graphs import generator, randn  # noqa: E402
+from _memory import MiB  # noqa: E402
+from bench_gat import CONVS  # noqa: E402
 
 import torch  # noqa: E402
 
 import pyg_fastattn  # noqa: E402
-
-CONVS = {'gat': 'FastGATConv', 'gatv2': 'FastGATv2Conv',
-         'transformer': 'FastTransformerConv'}
-MiB = 2**20
 
 
 def live_at_peak(trace):
@@ -65,9 +63,10 @@ def main():
     ei = torch.randint(N, (2, E), device=dev, generator=generator(dev, 11))
     x = randn((N, F), dev, 12, requires_grad=True)
     torch.manual_seed(0)
-    conv = getattr(pyg_fastattn, CONVS[args.conv])(F, C, heads=H).to(dev)
+    name = CONVS[args.conv][1]
+    conv = getattr(pyg_fastattn, name)(F, C, heads=H).to(dev)
     params = list(conv.parameters()) + [x]
-    print(f'{CONVS[args.conv]} {F}->{H}x{C}, {N:,} nodes, {E:,} random '
+    print(f'{name} {F}->{H}x{C}, {N:,} nodes, {E:,} random '
           f'edges, x requires grad; {torch.cuda.get_device_name()}')
     for amp in (False, True):
         gout = randn((N, H * C), dev, 13).to(
