@@ -20,6 +20,10 @@ Providers (``--providers``, default all; table order)
   ``fast_compile`` ``torch.compile`` (default inductor mode) of the fast
                    model or layer, compiled afresh per workload, in the
                    second pass as ``pyg_compile``
+  ``fast_compile_prepared``  ``fast_compile`` called with a
+                   ``pyg_fastattn.PreparedGraph`` made once outside the
+                   model (the README's advice for compiled models): no graph
+                   preparation inside the compiled graph
   ``fast_bf16``    ``fast`` under ``torch.autocast(device, torch.bfloat16)``
                    (forward and loss; backward outside, as AMP does)
   ``fast+graph``   (``--cuda-graph``, epochs only) the fast training step
@@ -89,9 +93,10 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch_geometric.nn import GATConv  # noqa: E402
 
-PROVIDERS = ('pyg', 'pyg_compile', 'fast', 'fast_compile', 'fast_bf16',
-             'fast+graph', 'floor')
-COMPILED = ('pyg_compile', 'fast_compile')  # run in a second pass over the workloads
+PROVIDERS = ('pyg', 'pyg_compile', 'fast', 'fast_compile',
+             'fast_compile_prepared', 'fast_bf16', 'fast+graph', 'floor')
+# run in a second pass over the workloads
+COMPILED = ('pyg_compile', 'fast_compile', 'fast_compile_prepared')
 
 _FAST_ERR = None
 try:
@@ -270,6 +275,18 @@ def compile_fresh(module):
     return torch.compile(module)
 
 
+def compiled_runs(args, ei, num_nodes):
+    """(provider, model class, edges) of the compiled providers; ``edges()``
+    gives what the compiled model is called with: the raw ``edge_index``, or
+    for ``fast_compile_prepared`` a ``PreparedGraph`` made once outside."""
+    def prepared():
+        from pyg_fastattn import prepare
+        return prepare(ei, num_nodes=num_nodes)
+    return (('pyg_compile', pyg_cls, lambda: ei),
+            ('fast_compile', fast_cls, lambda: ei),
+            ('fast_compile_prepared', fast_cls, prepared))
+
+
 def compile_stats(record: dict):
     """Graphs and graph breaks Dynamo reported since :func:`compile_fresh`."""
     try:
@@ -394,9 +411,9 @@ def epoch_workload(name, dev, args, provs) -> List[dict]:
         return load_matching(GAT(conv, x.size(1), 8, C).to(dev), state,
                              strict)
 
-    def run(provider, make, amp=None, check=True):
+    def run(provider, make, amp=None, check=True, edges=ei):
         """Build the model, compare its eval outputs with PyG's, time one
-        training step."""
+        training step (the model called with ``edges``)."""
         r = dict(base, provider=provider)
         recs.append(r)
         st, model, msg = guarded(make, dev)
@@ -412,7 +429,7 @@ def epoch_workload(name, dev, args, provs) -> List[dict]:
             r['rel_err'] = err if st == 'ok' else f'{st}: {msg}'
         model.train()
         opt = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=wd)
-        measure(train_step(model, opt, x, ei, y, train_idx, amp=amp), dev,
+        measure(train_step(model, opt, x, edges, y, train_idx, amp=amp), dev,
                 args, r)
         return r
 
@@ -461,11 +478,18 @@ def epoch_workload(name, dev, args, provs) -> List[dict]:
 
     # Compiled models: the eval-mode check would compile a second graph, so
     # no rel_err here.
-    for p, cls in (('pyg_compile', pyg_cls), ('fast_compile', fast_cls)):
-        if p in provs:
-            r = run(p, lambda: compile_fresh(build(cls(args))), check=False)
-            compile_stats(r)
-            torch._dynamo.reset()
+    for p, cls, edges in compiled_runs(args, ei, N):
+        if p not in provs:
+            continue
+        st, g, msg = guarded(edges, dev)
+        if st != 'ok':
+            recs.append(dict(base, provider=p, status=st, message=msg))
+            continue
+        r = run(p, lambda: compile_fresh(build(cls(args))), check=False,
+                edges=g)
+        compile_stats(r)
+        g = None
+        torch._dynamo.reset()
     ref = None
     free_memory(dev)
     return recs
@@ -502,7 +526,7 @@ def layer_workload(N, E, fin, H, C, mode, dev, args, provs,
     pyg_conv = pyg_cls(args)(fin, C, heads=H).to(dev)
     state = copy.deepcopy(pyg_conv.state_dict())
 
-    def fn_for(conv, amp=None):
+    def fn_for(conv, amp=None, ei=ei):
         params = [p for p in conv.parameters() if p.requires_grad]
         if x_grad:  # a hidden layer: the gradient of its input too
             params.append(x)
@@ -535,8 +559,7 @@ def layer_workload(N, E, fin, H, C, mode, dev, args, provs,
         recs.append(r)
         if r['status'] == 'ok':
             st, ref, _ = guarded(lambda: fn_for(pyg_conv)(), dev)
-    elif any(p in provs for p in ('fast', 'fast_bf16', 'pyg_compile',
-                                  'fast_compile')):
+    elif any(p in provs for p in ('fast', 'fast_bf16') + COMPILED):
         st, ref, _ = guarded(lambda: fn_for(pyg_conv)(), dev)
     pyg_conv = None
     free_memory(dev)
@@ -589,19 +612,22 @@ def layer_workload(N, E, fin, H, C, mode, dev, args, provs,
         floor = None
         free_memory(dev)
 
-    for p, cls in (('pyg_compile', pyg_cls), ('fast_compile', fast_cls)):
+    for p, cls, edges in compiled_runs(args, ei, N):
         if p not in provs:
             continue
         r = dict(base, provider=p)
         recs.append(r)
         st, comp, msg = guarded(lambda: compile_fresh(load_matching(
             cls(args)(fin, C, heads=H).to(dev), state)), dev)
+        if st == 'ok':
+            st, g, msg = guarded(edges, dev)
         if st != 'ok':
             r.update(status=st, message=msg)
         else:
-            measure(fn_for(comp), dev, args, r)
+            measure(fn_for(comp, ei=g), dev, args, r)
             compile_stats(r)
-            check(r, fn_for(comp))
+            check(r, fn_for(comp, ei=g))
+            g = None
         comp = None
         torch._dynamo.reset()
         free_memory(dev)
