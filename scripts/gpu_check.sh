@@ -27,6 +27,16 @@
 #          arguments; not in the default set)
 #   ddp    examples/train_ddp.py under torchrun (NCCL), 1 process and one
 #          per visible GPU when there are several (not in the default set)
+#   ncu    Nsight Compute: benchmarks/ncu_kernels.py's workloads (NCU_WORKLOADS,
+#          default gat_1m gat_1m_bf16 sa_1m gat_100k), one profiled call each,
+#          --set ${NCU_SET:-full}, --clock-control none; the details page of
+#          every kernel and the hottest SASS lines of the attention kernels go
+#          to bench_out/ncu (reports stay in the scratch folder; not in the
+#          default set)
+#   sanitize  compute-sanitizer memcheck over SANITIZE_ARGS (default: the CUDA
+#          tests of test_robustness.py and test_hub.py, native backend), with
+#          PyTorch's caching allocator off so that every buffer is its own
+#          allocation (not in the default set)
 #   cpubench  benchmarks/bench_gat.py --device cpu on this machine's cores
 #          (CPU_BENCH_ONLY, default "Cora epoch"; CPU_BENCH_CONV, default
 #          gat; providers pyg,fast,floor; not in the default set)
@@ -91,7 +101,7 @@ RESERVE=15 # for the final collection
 START=$SECONDS
 
 # ---------------------------------------------------------------- arguments
-want_info=1 want_build=0 want_tests=0 want_ops=0 want_gat=0 want_profile=0 want_ddp=0 want_prepare=0 want_cpubench=0
+want_info=1 want_build=0 want_tests=0 want_ops=0 want_gat=0 want_profile=0 want_ddp=0 want_prepare=0 want_cpubench=0 want_ncu=0 want_sanitize=0
 cuda_only=0 quick=""
 if [ $# -eq 0 ]; then
     want_build=1 want_tests=1 want_ops=1 want_gat=1
@@ -107,6 +117,8 @@ for a in "$@"; do
         ddp) want_ddp=1 ;;
         prepare) want_prepare=1 ;;
         cpubench) want_cpubench=1 ;;
+        ncu) want_ncu=1 ;;
+        sanitize) want_sanitize=1 ;;
         ops) want_ops=1 ;;
         gat) want_gat=1 ;;
         bench) want_ops=1 want_gat=1 ;;
@@ -116,7 +128,7 @@ for a in "$@"; do
             exit 0
             ;;
         *)
-            echo "unknown step '$a' (info build tests cudatests ops gat bench profile prepare ddp cpubench all quick)" >&2
+            echo "unknown step '$a' (info build tests cudatests ops gat bench profile prepare ddp ncu sanitize cpubench all quick)" >&2
             exit 2
             ;;
     esac
@@ -126,10 +138,11 @@ done
 # MIN_<STEP> overrides)
 MIN_TESTS_CUDA=${MIN_TESTS_CUDA:-45} MIN_TESTS=${MIN_TESTS:-60} MIN_OPS=${MIN_OPS:-90} MIN_GAT=${MIN_GAT:-120}
 MIN_PROFILE=${MIN_PROFILE:-60} MIN_PREPARE=${MIN_PREPARE:-40} MIN_DDP=${MIN_DDP:-40} MIN_CPUBENCH=${MIN_CPUBENCH:-60}
+MIN_NCU=${MIN_NCU:-60} MIN_SANITIZE=${MIN_SANITIZE:-60}
 
 reserved_after() { # sum of the minimum shares of the wanted steps after $1
     local s=0 seen=0 st
-    for st in info build tests_cuda tests ops gat profile prepare ddp cpubench; do
+    for st in info build tests_cuda tests ops gat profile prepare ddp ncu sanitize cpubench; do
         if [ $seen -eq 1 ]; then
             case $st in
                 tests_cuda) [ $want_tests -eq 1 ] && s=$((s + MIN_TESTS_CUDA)) ;;
@@ -140,6 +153,8 @@ reserved_after() { # sum of the minimum shares of the wanted steps after $1
                 prepare) [ $want_prepare -eq 1 ] && s=$((s + MIN_PREPARE)) ;;
                 cpubench) [ $want_cpubench -eq 1 ] && s=$((s + MIN_CPUBENCH)) ;;
                 ddp) [ $want_ddp -eq 1 ] && s=$((s + MIN_DDP)) ;;
+                ncu) [ $want_ncu -eq 1 ] && s=$((s + MIN_NCU)) ;;
+                sanitize) [ $want_sanitize -eq 1 ] && s=$((s + MIN_SANITIZE)) ;;
             esac
         fi
         [ "$st" = "$1" ] && seen=1
@@ -211,7 +226,7 @@ collect() {
     } >"$OUT/summary.txt" 2>/dev/null
     tail_into "$OUT/build.log" 400 "$LOGS/build.log"
     tail_into "$OUT/tests.log" 400 "$LOGS/tests_cuda.log" "$LOGS/tests.log" "$LOGS"/tests_*.part
-    tail_into "$OUT/bench.log" 300 "$LOGS/ops.log" "$LOGS/gat.log" "$LOGS/prepare.log" "$LOGS/ddp.log" "$LOGS/cpubench.log"
+    tail_into "$OUT/bench.log" 300 "$LOGS/ops.log" "$LOGS/gat.log" "$LOGS/prepare.log" "$LOGS/ddp.log" "$LOGS/cpubench.log" "$LOGS/ncu.log" "$LOGS/sanitize.log"
     tail_into "$OUT/profile.log" 600 "$LOGS/profile.log"
     for f in "$BENCH"/*_"$DEV".md; do
         [ -f "$f" ] && cp "$f" "$OUT/"
@@ -439,6 +454,35 @@ for p in 1 $([ "$n" -gt 1 ] && echo "$n"); do
     python3 -m torch.distributed.run --standalone --nproc_per_node $p \
         examples/train_ddp.py --device cuda --epochs 100 || exit $?
 done'
+fi
+
+if [ $want_ncu -eq 1 ]; then
+    export NCU_DIR="$BENCH/ncu" NCU_REP="$WORK/ncu_rep"
+    run_step ncu "${T_NCU:-300}" '
+command -v ncu >/dev/null || { echo "ncu not found"; exit 3; }
+mkdir -p "$NCU_DIR" "$NCU_REP"
+rc=0
+for w in ${NCU_WORKLOADS:-gat_1m gat_1m_bf16 sa_1m gat_100k}; do
+    echo "== $w"
+    ncu --profile-from-start off --clock-control none --set "${NCU_SET:-full}" \
+        --import-source no -f -o "$NCU_REP/$w" python3 benchmarks/ncu_kernels.py "$w" || { rc=1; continue; }
+    ncu --import "$NCU_REP/$w.ncu-rep" --page details >"$NCU_DIR/$w.txt" 2>&1 || rc=1
+    grep -E "^  [a-z_].*\\(|Duration|Memory Throughput|DRAM Throughput|Compute \\(SM\\) Throughput|Achieved Occupancy|Registers Per Thread" "$NCU_DIR/$w.txt" | head -n 120
+    for k in attention_bwd attention_fwd; do
+        ncu --import "$NCU_REP/$w.ncu-rep" --page source --csv --print-source sass \
+            --kernel-name "regex:$k" >"$NCU_REP/$w.$k.csv" 2>&1 &&
+            python3 benchmarks/ncu_kernels.py --hotspots "$NCU_REP/$w.$k.csv" >"$NCU_DIR/$w.$k.hot.txt" 2>&1
+    done
+done
+exit $rc'
+fi
+
+if [ $want_sanitize -eq 1 ]; then
+    run_step sanitize "${T_SANITIZE:-180}" '
+command -v compute-sanitizer >/dev/null || { echo "compute-sanitizer not found"; exit 3; }
+PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 50 \
+    python3 -m pytest ${SANITIZE_ARGS:-tests/test_robustness.py tests/test_hub.py -m cuda -k "not reference and not 64bit and not no_leaks"} \
+    -q -rfEs -p no:cacheprovider'
 fi
 
 if [ $want_cpubench -eq 1 ]; then
