@@ -93,7 +93,11 @@ def hotspots(path, top):
     stall samples, with every sampling and executed-count column."""
     with open(path, newline='') as f:
         lines = [l for l in f if l.strip() and not l.startswith('==')]
-    rows = list(csv.DictReader(lines))
+    # the table starts at its header (ncu may print other lines before it)
+    start = next((n for n, l in enumerate(lines)
+                  if 'Address' in l and 'Source' in l), 0)
+    rows = [{k: v for k, v in r.items() if k is not None}
+            for r in csv.DictReader(lines[start:])]
     if not rows:
         print(f'{path}: no rows')
         return
@@ -114,6 +118,16 @@ def hotspots(path, top):
     src = next((k for k in keys if k.strip().lower() == 'source'), keys[min(1, len(keys) - 1)])
     addr = keys[0]
     print(f'# {path}: {len(rows)} SASS lines, {total:.0f} samples ({samples})')
+    execd = next((k for k in keys if k.startswith('Instructions Executed')), None)
+    def opcode(text):  # '@!P0 LDG.E.128 R4, ...' -> 'LDG'
+        words = [w for w in text.split() if not w.startswith('@')]
+        return words[0].split('.')[0] if words else ''
+    for op in ('LDL', 'STL', 'LDG', 'STG', 'SHFL', 'MUFU', 'BAR'):
+        sel = [r for r in rows if opcode(r[src]) == op]
+        if sel:
+            ex = sum(num(r[execd]) for r in sel) if execd else 0
+            print(f'# {op:5s} {len(sel):4d} lines, {sum(num(r[samples]) for r in sel) / total:6.1%}'
+                  f' of samples, {ex:,.0f} executed')
     print('# ' + ' | '.join(['share', addr, src] + shown))
     for r in sorted(rows, key=lambda r: -num(r[samples]))[:top]:
         print(' | '.join([f'{num(r[samples]) / total:6.1%}', r[addr], r[src].strip()] +

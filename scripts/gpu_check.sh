@@ -28,7 +28,8 @@
 #   ddp    examples/train_ddp.py under torchrun (NCCL), 1 process and one
 #          per visible GPU when there are several (not in the default set)
 #   ncu    Nsight Compute: benchmarks/ncu_kernels.py's workloads (NCU_WORKLOADS,
-#          default gat_1m gat_1m_bf16 sa_1m gat_100k), one profiled call each,
+#          default gat_1m gat_1m_bf16 sa_1m gat_100k; NCU_KERNELS: a regex of
+#          the kernels to profile, default all), one profiled call each,
 #          --set ${NCU_SET:-full}, --clock-control none; the details page of
 #          every kernel and the hottest SASS lines of the attention kernels go
 #          to bench_out/ncu (reports stay in the scratch folder; not in the
@@ -465,6 +466,7 @@ rc=0
 for w in ${NCU_WORKLOADS:-gat_1m gat_1m_bf16 sa_1m gat_100k}; do
     echo "== $w"
     ncu --profile-from-start off --clock-control none --set "${NCU_SET:-full}" \
+        ${NCU_KERNELS:+--kernel-name "regex:$NCU_KERNELS"} \
         --import-source no -f -o "$NCU_REP/$w" python3 benchmarks/ncu_kernels.py "$w" || { rc=1; continue; }
     ncu --import "$NCU_REP/$w.ncu-rep" --page details >"$NCU_DIR/$w.txt" 2>&1 || rc=1
     grep -E "^  [a-z_].*\\(|Duration|Memory Throughput|DRAM Throughput|Compute \\(SM\\) Throughput|Achieved Occupancy|Registers Per Thread" "$NCU_DIR/$w.txt" | head -n 120
@@ -472,6 +474,7 @@ for w in ${NCU_WORKLOADS:-gat_1m gat_1m_bf16 sa_1m gat_100k}; do
         ncu --import "$NCU_REP/$w.ncu-rep" --page source --csv --print-source sass \
             --kernel-name "regex:$k" >"$NCU_REP/$w.$k.csv" 2>&1 &&
             python3 benchmarks/ncu_kernels.py --hotspots "$NCU_REP/$w.$k.csv" >"$NCU_DIR/$w.$k.hot.txt" 2>&1
+        gzip -c "$NCU_REP/$w.$k.csv" >"$NCU_DIR/$w.$k.csv.gz" 2>/dev/null
     done
 done
 exit $rc'
