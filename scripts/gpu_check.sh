@@ -481,11 +481,21 @@ exit $rc'
 fi
 
 if [ $want_sanitize -eq 1 ]; then
+    # SANITIZE_ARGS: pytest arguments, or several selections separated by ";"
+    # (one compute-sanitizer process each, concurrently; logs sanitize_<k>.part)
     run_step sanitize "${T_SANITIZE:-180}" '
 command -v compute-sanitizer >/dev/null || { echo "compute-sanitizer not found"; exit 3; }
-PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 50 \
-    python3 -m pytest ${SANITIZE_ARGS:-tests/test_robustness.py tests/test_hub.py -m cuda -k "not reference and not 64bit and not no_leaks"} \
-    -q -rfEs -p no:cacheprovider'
+IFS=";" read -ra groups <<<"${SANITIZE_ARGS:-tests/test_robustness.py tests/test_hub.py -m cuda -k \"not reference and not 64bit and not no_leaks\"}"
+pids=()
+for k in "${!groups[@]}"; do
+    echo "selection $k: ${groups[$k]}"
+    eval "PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout $((STEP_LIMIT > 30 ? STEP_LIMIT - 15 : STEP_LIMIT)) compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 50 python3 -m pytest ${groups[$k]} -q -rfEs -p no:cacheprovider" >"'"$LOGS"'/sanitize_$k.part" 2>&1 &
+    pids+=($!)
+done
+rc=0
+for p in "${pids[@]}"; do wait "$p" || rc=1; done
+for k in "${!groups[@]}"; do echo "===== selection $k ====="; cat "'"$LOGS"'/sanitize_$k.part"; done
+exit $rc'
 fi
 
 if [ $want_cpubench -eq 1 ]; then
