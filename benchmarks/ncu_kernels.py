@@ -27,45 +27,24 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _graphs import generator, randn, random_csr  # noqa: E402
-
-DEV = torch.device('cuda')
 
 
 def gat(N, E, H, C, amp):
-    from pyg_fastattn import FastGATConv, prepare
-    dev = DEV
-    ei = torch.randint(N, (2, E), device=dev, generator=generator(dev, 11))
-    graph = prepare(ei, num_nodes=N)
-    x = randn((N, 128), dev, 12, requires_grad=True)
-    gout = randn((N, H * C), dev, 13)
-    torch.manual_seed(0)
-    conv = FastGATConv(128, C, heads=H).to(dev).train()
-    params = list(conv.parameters()) + [x]
-    if amp:
-        gout = gout.to(torch.bfloat16)
-
-    def fn():
-        with torch.autocast(dev.type, torch.bfloat16, enabled=amp):
-            out = conv(x, graph)
-        return torch.autograd.grad(out, params, gout)
-    return fn
+    """profile_gat's layer forward+backward, x requiring grad (the layer's
+    prepared-graph cache serves the edge_index after the warm-up)."""
+    from pyg_fastattn import FastGATConv
+    from profile_gat import layer_fn
+    return layer_fn(FastGATConv, N, E, 128, H, C, torch.device('cuda'),
+                    amp=amp, x_grad=True)
 
 
 def softmax_aggregate(N, deg, H, C):
-    from pyg_fastattn.ops import csr_to_csc
+    """bench_ops.py's softmax_aggregate data (int64 indices), forward+backward."""
+    from bench_ops import _aggregate_data
     from pyg_fastattn.ops import softmax_aggregate as op
-    dev = DEV
-    rowptr, col, _ = random_csr(N, dev, deg=deg, seed=11)
-    csc = csr_to_csc(rowptr, col, N)
-    scores = randn((col.numel(), H), dev, 12, requires_grad=True)
-    values = randn((N, H, C), dev, 13, requires_grad=True)
-    gout = randn((N, H, C), dev, 14)
-
-    def fn():
-        out = op(rowptr, col, scores, values, csc=csc, validate=False)
-        return torch.autograd.grad(out, (scores, values), gout)
-    return fn
+    rowptr, col, _, _, s, v, g, csc = _aggregate_data(torch.device('cuda'), N, deg, H, C)
+    return lambda: torch.autograd.grad(
+        op(rowptr, col, s, v, csc=csc, validate=False), (s, v), g)
 
 
 WORKLOADS = {
@@ -119,6 +98,7 @@ def hotspots(path, top):
     addr = keys[0]
     print(f'# {path}: {len(rows)} SASS lines, {total:.0f} samples ({samples})')
     execd = next((k for k in keys if k.startswith('Instructions Executed')), None)
+
     def opcode(text):  # '@!P0 LDG.E.128 R4, ...' -> 'LDG'
         words = [w for w in text.split() if not w.startswith('@')]
         return words[0].split('.')[0] if words else ''

@@ -52,17 +52,17 @@ def epoch_fn(conv, name, dev):
     return B.train_step(m, opt, x, ei, y, idx)
 
 
-def layer_fn(conv, N, E, fin, H, C, dev, graph=None, amp=False):
+def layer_fn(conv, N, E, fin, H, C, dev, graph=None, amp=False, x_grad=False):
     if graph is None:  # uniform random edges
         ei = torch.randint(N, (2, E), device=dev, generator=generator(dev, 11))
     else:  # ('power', s): as bench_gat.py's power-law workloads
         _, col, row = skewed_csr(graph[0], N, E, dev, s=graph[1], seed=11)
         ei = torch.stack([col, row])
-    x = randn((N, fin), dev, 12)
+    x = randn((N, fin), dev, 12, requires_grad=x_grad)  # x_grad: a hidden layer
     gout = randn((N, H * C), dev, 13)
     torch.manual_seed(0)
     m = conv(fin, C, heads=H).to(dev).train()
-    params = list(m.parameters())
+    params = list(m.parameters()) + ([x] if x_grad else [])
     if not amp:
         return lambda: torch.autograd.grad(m(x, ei), params, gout)
 

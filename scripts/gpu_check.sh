@@ -470,9 +470,9 @@ for w in ${NCU_WORKLOADS:-gat_1m gat_1m_bf16 sa_1m gat_100k}; do
         --import-source no -f -o "$NCU_REP/$w" python3 benchmarks/ncu_kernels.py "$w" || { rc=1; continue; }
     ncu --import "$NCU_REP/$w.ncu-rep" --page details >"$NCU_DIR/$w.txt" 2>&1 || rc=1
     grep -E "^  [a-z_].*\\(|Duration|Memory Throughput|DRAM Throughput|Compute \\(SM\\) Throughput|Achieved Occupancy|Registers Per Thread" "$NCU_DIR/$w.txt" | head -n 120
-    for k in attention_bwd attention_fwd; do
+    for k in attention_bwd_kernel attention_fwd_kernel; do  # whole kernels, not split-path parts
         ncu --import "$NCU_REP/$w.ncu-rep" --page source --csv --print-source sass \
-            --kernel-name "regex:$k" >"$NCU_REP/$w.$k.csv" 2>&1 &&
+            --kernel-name "regex:^$k\$" >"$NCU_REP/$w.$k.csv" 2>&1 &&
             python3 benchmarks/ncu_kernels.py --hotspots "$NCU_REP/$w.$k.csv" >"$NCU_DIR/$w.$k.hot.txt" 2>&1
         gzip -c "$NCU_REP/$w.$k.csv" >"$NCU_DIR/$w.$k.csv.gz" 2>/dev/null
     done
