@@ -171,6 +171,16 @@ inline bool bwd_wide_batch() {
   return env_flag("PYG_FASTATTN_BWD_WIDE", kAttnBwdWideDefault);
 }
 
+// The float32 and bfloat16 lean attention backward (every lane scoring every
+// entry) at kAttnBwdBlocksLean blocks an SM (registers for no spills)
+// instead of kAttnBwdBlocksLeanFp32 / Bf16: PYG_FASTATTN_BWD_FEWER_BLOCKS=1
+// (tests, A/B runs).
+constexpr bool kAttnBwdFewerBlocksDefault = false;
+
+inline bool bwd_fewer_blocks() {
+  return env_flag("PYG_FASTATTN_BWD_FEWER_BLOCKS", kAttnBwdFewerBlocksDefault);
+}
+
 struct SplitPlan {
   int64_t split;  // rows with more edges than this are split (>= chunk)
   int64_t chunk;  // edges per chunk

@@ -29,10 +29,15 @@
 #          per visible GPU when there are several (not in the default set)
 #   ncu    Nsight Compute: benchmarks/ncu_kernels.py's workloads (NCU_WORKLOADS,
 #          default gat_1m gat_1m_bf16 sa_1m gat_100k; NCU_KERNELS: a regex of
-#          the kernels to profile, default all), one profiled call each,
+#          the kernels to profile, default all; NCU_ENV: an env assignment
+#          for a second profile of each, named <workload>_env), one profiled call each,
 #          --set ${NCU_SET:-full}, --clock-control none; the details page of
 #          every kernel and the hottest SASS lines of the attention kernels go
 #          to bench_out/ncu (reports stay in the scratch folder; not in the
+#          default set)
+#   ab     benchmarks/ab_env.py: AB_WORKLOADS (default gat_1m gat_1m_bf16
+#          gat_100k) under each of AB_SETS (space-separated settings, each
+#          NAME=VALUE[,NAME=VALUE]), interleaved in one process (not in the
 #          default set)
 #   sanitize  compute-sanitizer memcheck over SANITIZE_ARGS (default: the CUDA
 #          tests of test_robustness.py and test_hub.py, native backend), with
@@ -102,7 +107,7 @@ RESERVE=15 # for the final collection
 START=$SECONDS
 
 # ---------------------------------------------------------------- arguments
-want_info=1 want_build=0 want_tests=0 want_ops=0 want_gat=0 want_profile=0 want_ddp=0 want_prepare=0 want_cpubench=0 want_ncu=0 want_sanitize=0
+want_info=1 want_build=0 want_tests=0 want_ops=0 want_gat=0 want_profile=0 want_ddp=0 want_prepare=0 want_cpubench=0 want_ncu=0 want_sanitize=0 want_ab=0
 cuda_only=0 quick=""
 if [ $# -eq 0 ]; then
     want_build=1 want_tests=1 want_ops=1 want_gat=1
@@ -120,6 +125,7 @@ for a in "$@"; do
         cpubench) want_cpubench=1 ;;
         ncu) want_ncu=1 ;;
         sanitize) want_sanitize=1 ;;
+        ab) want_ab=1 ;;
         ops) want_ops=1 ;;
         gat) want_gat=1 ;;
         bench) want_ops=1 want_gat=1 ;;
@@ -129,7 +135,7 @@ for a in "$@"; do
             exit 0
             ;;
         *)
-            echo "unknown step '$a' (info build tests cudatests ops gat bench profile prepare ddp ncu sanitize cpubench all quick)" >&2
+            echo "unknown step '$a' (info build tests cudatests ops gat bench profile prepare ddp ab ncu sanitize cpubench all quick)" >&2
             exit 2
             ;;
     esac
@@ -139,11 +145,11 @@ done
 # MIN_<STEP> overrides)
 MIN_TESTS_CUDA=${MIN_TESTS_CUDA:-45} MIN_TESTS=${MIN_TESTS:-60} MIN_OPS=${MIN_OPS:-90} MIN_GAT=${MIN_GAT:-120}
 MIN_PROFILE=${MIN_PROFILE:-60} MIN_PREPARE=${MIN_PREPARE:-40} MIN_DDP=${MIN_DDP:-40} MIN_CPUBENCH=${MIN_CPUBENCH:-60}
-MIN_NCU=${MIN_NCU:-60} MIN_SANITIZE=${MIN_SANITIZE:-60}
+MIN_NCU=${MIN_NCU:-60} MIN_SANITIZE=${MIN_SANITIZE:-60} MIN_AB=${MIN_AB:-40}
 
 reserved_after() { # sum of the minimum shares of the wanted steps after $1
     local s=0 seen=0 st
-    for st in info build tests_cuda tests ops gat profile prepare ddp ncu sanitize cpubench; do
+    for st in info build tests_cuda tests ops gat profile prepare ddp ab ncu sanitize cpubench; do
         if [ $seen -eq 1 ]; then
             case $st in
                 tests_cuda) [ $want_tests -eq 1 ] && s=$((s + MIN_TESTS_CUDA)) ;;
@@ -154,6 +160,7 @@ reserved_after() { # sum of the minimum shares of the wanted steps after $1
                 prepare) [ $want_prepare -eq 1 ] && s=$((s + MIN_PREPARE)) ;;
                 cpubench) [ $want_cpubench -eq 1 ] && s=$((s + MIN_CPUBENCH)) ;;
                 ddp) [ $want_ddp -eq 1 ] && s=$((s + MIN_DDP)) ;;
+                ab) [ $want_ab -eq 1 ] && s=$((s + MIN_AB)) ;;
                 ncu) [ $want_ncu -eq 1 ] && s=$((s + MIN_NCU)) ;;
                 sanitize) [ $want_sanitize -eq 1 ] && s=$((s + MIN_SANITIZE)) ;;
             esac
@@ -457,6 +464,12 @@ for p in 1 $([ "$n" -gt 1 ] && echo "$n"); do
 done'
 fi
 
+if [ $want_ab -eq 1 ]; then
+    sets=""
+    for st in ${AB_SETS:-PYG_FASTATTN_BWD_FEWER_BLOCKS=0 PYG_FASTATTN_BWD_FEWER_BLOCKS=1}; do sets+=" --set $st"; done
+    run_step ab "${T_AB:-120}" "python3 benchmarks/ab_env.py ${AB_WORKLOADS:-gat_1m gat_1m_bf16 gat_100k}$sets"
+fi
+
 if [ $want_ncu -eq 1 ]; then
     export NCU_DIR="$BENCH/ncu" NCU_REP="$WORK/ncu_rep"
     run_step ncu "${T_NCU:-300}" '
@@ -464,18 +477,21 @@ command -v ncu >/dev/null || { echo "ncu not found"; exit 3; }
 mkdir -p "$NCU_DIR" "$NCU_REP"
 rc=0
 for w in ${NCU_WORKLOADS:-gat_1m gat_1m_bf16 sa_1m gat_100k}; do
-    echo "== $w"
-    ncu --profile-from-start off --clock-control none --set "${NCU_SET:-full}" \
+  for r in "$w" ${NCU_ENV:+"${w}_env"}; do
+    envs=$([ "$r" = "$w" ] || echo "$NCU_ENV")
+    echo "== $r ${envs:+($envs)}"
+    env $envs ncu --profile-from-start off --clock-control none --set "${NCU_SET:-full}" \
         ${NCU_KERNELS:+--kernel-name "regex:$NCU_KERNELS"} \
-        --import-source no -f -o "$NCU_REP/$w" python3 benchmarks/ncu_kernels.py "$w" || { rc=1; continue; }
-    ncu --import "$NCU_REP/$w.ncu-rep" --page details >"$NCU_DIR/$w.txt" 2>&1 || rc=1
-    grep -E "^  [a-z_].*\\(|Duration|Memory Throughput|DRAM Throughput|Compute \\(SM\\) Throughput|Achieved Occupancy|Registers Per Thread" "$NCU_DIR/$w.txt" | head -n 120
+        --import-source no -f -o "$NCU_REP/$r" python3 benchmarks/ncu_kernels.py "$w" || { rc=1; continue; }
+    ncu --import "$NCU_REP/$r.ncu-rep" --page details >"$NCU_DIR/$r.txt" 2>&1 || rc=1
+    grep -E "^  [a-z_].*\\(|Duration|Memory Throughput|DRAM Throughput|Compute \\(SM\\) Throughput|Achieved Occupancy|Registers Per Thread" "$NCU_DIR/$r.txt" | head -n 120
     for k in attention_bwd_kernel attention_fwd_kernel; do  # whole kernels, not split-path parts
-        ncu --import "$NCU_REP/$w.ncu-rep" --page source --csv --print-source sass \
-            --kernel-name "regex:^$k\$" >"$NCU_REP/$w.$k.csv" 2>&1 &&
-            python3 benchmarks/ncu_kernels.py --hotspots "$NCU_REP/$w.$k.csv" >"$NCU_DIR/$w.$k.hot.txt" 2>&1
-        gzip -c "$NCU_REP/$w.$k.csv" >"$NCU_DIR/$w.$k.csv.gz" 2>/dev/null
+        ncu --import "$NCU_REP/$r.ncu-rep" --page source --csv --print-source sass \
+            --kernel-name "regex:^$k\$" >"$NCU_REP/$r.$k.csv" 2>&1 &&
+            python3 benchmarks/ncu_kernels.py --hotspots "$NCU_REP/$r.$k.csv" >"$NCU_DIR/$r.$k.hot.txt" 2>&1
+        gzip -c "$NCU_REP/$r.$k.csv" >"$NCU_DIR/$r.$k.csv.gz" 2>/dev/null
     done
+  done
 done
 exit $rc'
 fi

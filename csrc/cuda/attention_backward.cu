@@ -140,11 +140,12 @@ constexpr int bwd_min_blocks() {
 }
 
 // EB: entries of a column a lane has in flight per batch (bwd_batch, or
-// kAttnBwdWideBatch for the float32 lean kernel with owner lanes).
+// kAttnBwdWideBatch for the float32 lean kernel with owner lanes). MINB > 0
+// overrides bwd_min_blocks (bwd_fewer_blocks).
 template <typename scalar_t, typename index_t, int V, int MODE, bool PARTIAL,
-          int EB, int OWN>
-__global__ void __launch_bounds__(kBlock,
-                                  (bwd_min_blocks<scalar_t, MODE, PARTIAL, EB>()))
+          int EB, int OWN, int MINB = 0>
+__global__ void __launch_bounds__(
+    kBlock, (MINB > 0 ? MINB : bwd_min_blocks<scalar_t, MODE, PARTIAL, EB>()))
     attention_bwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
   // Lean modes: each batch entry is scored by one of STRIDE lanes of its
@@ -558,6 +559,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
           attention_bwd_kernel<scalar_t, index_t, VW, M, true, B, O>
               <<<pgrid, kBlock, 0, stream>>>(a, L);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+        constexpr bool fewer_ok =
+            M == kBwdLean && B == O &&
+            bwd_min_blocks<scalar_t, M, false, B>() > kAttnBwdBlocksLean;
+        if constexpr (fewer_ok) {
+          if (bwd_fewer_blocks()) {
+            attention_bwd_kernel<scalar_t, index_t, VW, M, false, B, O,
+                                 kAttnBwdBlocksLean>
+                <<<grid, kBlock, 0, stream>>>(a, L);
+            C10_CUDA_KERNEL_LAUNCH_CHECK();
+            return;
+          }
         }
         attention_bwd_kernel<scalar_t, index_t, VW, M, false, B, O>
             <<<grid, kBlock, 0, stream>>>(a, L);

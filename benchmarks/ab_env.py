@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Same-process A/B of the kernels' environment switches (CUDA).
+
+Each workload of ``ncu_kernels.py`` runs under every setting in turn, in
+interleaved rounds (so clock and thermal drift hit all settings alike); the
+switches are read at every launch, so one process serves all settings.
+Per setting: the median of the rounds' medians of CUDA-event times.
+
+    python benchmarks/ab_env.py gat_1m gat_1m_bf16 \\
+        --set PYG_FASTATTN_BWD_FEWER_BLOCKS=0 --set PYG_FASTATTN_BWD_FEWER_BLOCKS=1
+"""
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from ncu_kernels import WORKLOADS  # noqa: E402
+
+
+def apply(setting):
+    for kv in filter(None, setting.split(',')):
+        k, _, v = kv.partition('=')
+        os.environ[k] = v
+
+
+def time_calls(fn, calls):
+    ts = []
+    for _ in range(calls):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap.add_argument('workloads', nargs='+', choices=sorted(WORKLOADS))
+    ap.add_argument('--set', action='append', required=True, dest='settings',
+                    help='NAME=VALUE[,NAME=VALUE...]: one setting (repeat)')
+    ap.add_argument('--rounds', type=int, default=5)
+    ap.add_argument('--calls', type=int, default=10, help='timed calls a round')
+    args = ap.parse_args()
+    print(f'# {torch.cuda.get_device_name()}, torch {torch.__version__}; '
+          f'{args.rounds} rounds x {args.calls} calls, medians (ms)', flush=True)
+    for w in args.workloads:
+        fn = WORKLOADS[w]()
+        med = {s: [] for s in args.settings}
+        for s in args.settings:  # warm-up under every setting
+            apply(s)
+            for _ in range(3):
+                fn()
+        torch.cuda.synchronize()
+        for _ in range(args.rounds):
+            for s in args.settings:
+                apply(s)
+                med[s].append(time_calls(fn, args.calls))
+        base = statistics.median(med[args.settings[0]])
+        for s in args.settings:
+            m = statistics.median(med[s])
+            print(f'{w:12s} {s:40s} {m:8.3f} ms  {m / base:.3f}x  '
+                  f'rounds {" ".join(f"{t:.3f}" for t in med[s])}', flush=True)
+        del fn
+        torch.cuda.empty_cache()
+
+
+if __name__ == '__main__':
+    main()
