@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Same-process A/B of the kernels' environment switches (CUDA).
 
-Each workload of ``ncu_kernels.py`` runs under every setting in turn, in
-interleaved rounds (so clock and thermal drift hit all settings alike); the
+Each workload of ``ncu_kernels.py`` runs under every setting in turn (a
+variable that a setting does not name is unset), in interleaved rounds (so clock and thermal drift hit all settings alike); the
 switches are read at every launch, so one process serves all settings.
 Per setting: the median of the rounds' medians of CUDA-event times.
 
@@ -21,10 +21,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ncu_kernels import WORKLOADS  # noqa: E402
 
 
-def apply(setting):
-    for kv in filter(None, setting.split(',')):
-        k, _, v = kv.partition('=')
-        os.environ[k] = v
+def parse(setting):
+    return dict(kv.partition('=')[::2] for kv in setting.split(',') if kv)
+
+
+def apply(setting, names):
+    """Set the setting's variables and unset the other settings' ones."""
+    for k in names:
+        os.environ.pop(k, None)
+    os.environ.update(parse(setting))
 
 
 def time_calls(fn, calls):
@@ -49,17 +54,18 @@ def main():
     args = ap.parse_args()
     print(f'# {torch.cuda.get_device_name()}, torch {torch.__version__}; '
           f'{args.rounds} rounds x {args.calls} calls, medians (ms)', flush=True)
+    names = {k for st in args.settings for k in parse(st)}
     for w in args.workloads:
         fn = WORKLOADS[w]()
         med = {s: [] for s in args.settings}
         for s in args.settings:  # warm-up under every setting
-            apply(s)
+            apply(s, names)
             for _ in range(3):
                 fn()
         torch.cuda.synchronize()
         for _ in range(args.rounds):
             for s in args.settings:
-                apply(s)
+                apply(s, names)
                 med[s].append(time_calls(fn, args.calls))
         base = statistics.median(med[args.settings[0]])
         for s in args.settings:

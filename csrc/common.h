@@ -181,6 +181,17 @@ inline bool bwd_fewer_blocks() {
   return env_flag("PYG_FASTATTN_BWD_FEWER_BLOCKS", kAttnBwdFewerBlocksDefault);
 }
 
+// Entries of a column a lane of that kernel keeps in flight per batch: 4
+// (bwd_batch) or kAttnBwdNarrowBatch, which fits the kernel's 4 blocks an SM
+// without spills; bwd_narrow_batch() says which: PYG_FASTATTN_BWD_NARROW=0 /
+// 1 (tests, A/B runs) overrides the default.
+constexpr int kAttnBwdNarrowBatch = 2;
+constexpr bool kAttnBwdNarrowDefault = false;
+
+inline bool bwd_narrow_batch() {
+  return env_flag("PYG_FASTATTN_BWD_NARROW", kAttnBwdNarrowDefault);
+}
+
 struct SplitPlan {
   int64_t split;  // rows with more edges than this are split (>= chunk)
   int64_t chunk;  // edges per chunk

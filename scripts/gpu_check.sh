@@ -29,8 +29,9 @@
 #          per visible GPU when there are several (not in the default set)
 #   ncu    Nsight Compute: benchmarks/ncu_kernels.py's workloads (NCU_WORKLOADS,
 #          default gat_1m gat_1m_bf16 sa_1m gat_100k; NCU_KERNELS: a regex of
-#          the kernels to profile, default all; NCU_ENV: an env assignment
-#          for a second profile of each, named <workload>_env), one profiled call each,
+#          the kernels to profile, default all; NCU_ENV: settings, each
+#          NAME=VALUE[,NAME=VALUE], for more profiles of each workload, named
+#          <workload>_env1, _env2, ...), one profiled call each,
 #          --set ${NCU_SET:-full}, --clock-control none; the details page of
 #          every kernel and the hottest SASS lines of the attention kernels go
 #          to bench_out/ncu (reports stay in the scratch folder; not in the
@@ -466,7 +467,7 @@ fi
 
 if [ $want_ab -eq 1 ]; then
     sets=""
-    for st in ${AB_SETS:-PYG_FASTATTN_BWD_FEWER_BLOCKS=0 PYG_FASTATTN_BWD_FEWER_BLOCKS=1}; do sets+=" --set $st"; done
+    for st in ${AB_SETS:-PYG_FASTATTN_BWD_FEWER_BLOCKS=0 PYG_FASTATTN_BWD_FEWER_BLOCKS=1 PYG_FASTATTN_BWD_NARROW=1}; do sets+=" --set $st"; done
     run_step ab "${T_AB:-120}" "python3 benchmarks/ab_env.py ${AB_WORKLOADS:-gat_1m gat_1m_bf16 gat_100k}$sets"
 fi
 
@@ -477,8 +478,10 @@ command -v ncu >/dev/null || { echo "ncu not found"; exit 3; }
 mkdir -p "$NCU_DIR" "$NCU_REP"
 rc=0
 for w in ${NCU_WORKLOADS:-gat_1m gat_1m_bf16 sa_1m gat_100k}; do
-  for r in "$w" ${NCU_ENV:+"${w}_env"}; do
-    envs=$([ "$r" = "$w" ] || echo "$NCU_ENV")
+  runs=("$w:") k=0
+  for e in ${NCU_ENV:-}; do k=$((k + 1)); runs+=("${w}_env$k:${e//,/ }"); done
+  for spec in "${runs[@]}"; do
+    r=${spec%%:*} envs=${spec#*:}
     echo "== $r ${envs:+($envs)}"
     env $envs ncu --profile-from-start off --clock-control none --set "${NCU_SET:-full}" \
         ${NCU_KERNELS:+--kernel-name "regex:$NCU_KERNELS"} \

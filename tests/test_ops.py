@@ -628,11 +628,14 @@ def test_owner_lanes(monkeypatch, dtype, heads, C, idx, split, wide):
 @pytest.mark.parametrize('heads,C', [(4, 32), (8, 16), (1, 64), (4, 12)])
 @pytest.mark.parametrize('idx', IDX)
 @pytest.mark.parametrize('split', [None, '16'])
-def test_bwd_fewer_blocks(monkeypatch, dtype, heads, C, idx, split):
-    """CUDA: the lean attention backward compiled for fewer resident blocks
-    an SM (PYG_FASTATTN_BWD_FEWER_BLOCKS=1, registers without spills) gives
-    the default kernel's gradients bit for bit, with a hub row and a hub
-    column (split=16: also on the split path)."""
+@pytest.mark.parametrize('switch', ['PYG_FASTATTN_BWD_FEWER_BLOCKS',
+                                    'PYG_FASTATTN_BWD_NARROW'])
+def test_bwd_variants(monkeypatch, dtype, heads, C, idx, split, switch):
+    """CUDA: the lean attention backward's variants without spills, compiled
+    for fewer resident blocks an SM (PYG_FASTATTN_BWD_FEWER_BLOCKS=1) or
+    with fewer entries a lane in flight (PYG_FASTATTN_BWD_NARROW=1), give the
+    default kernel's gradients bit for bit, with a hub row and a hub column
+    (split=16: also on the split path)."""
     if not _build.load().native:
         pytest.skip(f'native kernels unavailable: {_build.load().error}')
     monkeypatch.delenv('PYG_FASTATTN_OWNER_LANES', raising=False)
@@ -644,12 +647,12 @@ def test_bwd_fewer_blocks(monkeypatch, dtype, heads, C, idx, split):
     go = torch.randn(N, heads, C, device='cuda', generator=g).to(dtype)
     csc = ops.csr_to_csc(rowptr, col, Ns, validate=False)
     res = {}
-    for fewer in ('0', '1'):
-        monkeypatch.setenv('PYG_FASTATTN_BWD_FEWER_BLOCKS', fewer)
+    for on in ('0', '1'):
+        monkeypatch.setenv(switch, on)
         leaves = [t.clone().requires_grad_(True) for t in (v, a_src, a_dst)]
         out = ops.attention(rowptr, col, leaves[0], a_src=leaves[1],
                             a_dst=leaves[2], csc=csc)
-        res[fewer] = torch.autograd.grad(out, leaves, go)
+        res[on] = torch.autograd.grad(out, leaves, go)
     for k, (a, b) in enumerate(zip(res['0'], res['1'])):
         assert torch.isfinite(a).all() and a.abs().sum() > 0, k
         assert torch.equal(a, b), f'gradient {k} differs'

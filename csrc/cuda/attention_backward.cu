@@ -594,6 +594,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
               return;
             }
           }
+          if constexpr (decltype(mode)::value == kBwdLean) {
+            if (!own && bwd_narrow_batch()) {
+              using NB = std::integral_constant<int, kAttnBwdNarrowBatch>;
+              launch_own(mode, NB(), NB());
+              return;
+            }
+          }
           if (own && LH >= EBL)
             launch_own(mode, EBc(), std::integral_constant<int, 1>());
           else if (own && LH == EBL / 2)
