@@ -7,7 +7,7 @@ switches are read at every launch, so one process serves all settings.
 Per setting: the median of the rounds' medians of CUDA-event times.
 
     python benchmarks/ab_env.py gat_1m gat_1m_bf16 \\
-        --set PYG_FASTATTN_BWD_FEWER_BLOCKS=0 --set PYG_FASTATTN_BWD_FEWER_BLOCKS=1
+        --set PYG_FASTATTN_BWD_NARROW=1 --set PYG_FASTATTN_BWD_NARROW=0
 """
 import argparse
 import os

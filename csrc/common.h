@@ -114,12 +114,13 @@ constexpr int kAttnFwdBlocksAny = 3;
 // CUDA attention backward: resident blocks per SM its variants are compiled
 // for (__launch_bounds__): the full kernel (mask, a_edge, streaming units),
 // the lean ones (one head per lane, no mask), and the fp32 and bfloat16 lean
-// kernels without per-edge terms (GAT), which are faster at 64 registers
-// with a few spills than at 80 (float16 is not).
+// kernels without per-edge terms (GAT): fp32 at 64 registers, with
+// kAttnBwdNarrowBatch entries in flight so that nothing spills; bfloat16 at
+// 80, where 64 spill.
 constexpr int kAttnBwdBlocksFull = 2;
 constexpr int kAttnBwdBlocksLean = 3;
 constexpr int kAttnBwdBlocksLeanFp32 = 4;
-constexpr int kAttnBwdBlocksLeanBf16 = 4;
+constexpr int kAttnBwdBlocksLeanBf16 = 3;
 
 // CUDA attention with one head per lane: each weight of an edge batch is
 // computed by one lane of its head and shuffled to the others ("owner
@@ -171,22 +172,13 @@ inline bool bwd_wide_batch() {
   return env_flag("PYG_FASTATTN_BWD_WIDE", kAttnBwdWideDefault);
 }
 
-// The float32 and bfloat16 lean attention backward (every lane scoring every
-// entry) at kAttnBwdBlocksLean blocks an SM (registers for no spills)
-// instead of kAttnBwdBlocksLeanFp32 / Bf16: PYG_FASTATTN_BWD_FEWER_BLOCKS=1
-// (tests, A/B runs).
-constexpr bool kAttnBwdFewerBlocksDefault = false;
-
-inline bool bwd_fewer_blocks() {
-  return env_flag("PYG_FASTATTN_BWD_FEWER_BLOCKS", kAttnBwdFewerBlocksDefault);
-}
-
-// Entries of a column a lane of that kernel keeps in flight per batch: 4
-// (bwd_batch) or kAttnBwdNarrowBatch, which fits the kernel's 4 blocks an SM
-// without spills; bwd_narrow_batch() says which: PYG_FASTATTN_BWD_NARROW=0 /
-// 1 (tests, A/B runs) overrides the default.
+// The float32 lean attention backward without owner lanes: entries of a
+// column a lane keeps in flight per batch, kAttnBwdNarrowBatch (no spills at
+// kAttnBwdBlocksLeanFp32 blocks) or bwd_batch's 4 (spills there);
+// bwd_narrow_batch() says which: PYG_FASTATTN_BWD_NARROW=0 / 1 (tests, A/B
+// runs) overrides the default.
 constexpr int kAttnBwdNarrowBatch = 2;
-constexpr bool kAttnBwdNarrowDefault = false;
+constexpr bool kAttnBwdNarrowDefault = true;
 
 inline bool bwd_narrow_batch() {
   return env_flag("PYG_FASTATTN_BWD_NARROW", kAttnBwdNarrowDefault);

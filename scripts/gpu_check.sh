@@ -467,7 +467,7 @@ fi
 
 if [ $want_ab -eq 1 ]; then
     sets=""
-    for st in ${AB_SETS:-PYG_FASTATTN_BWD_FEWER_BLOCKS=0 PYG_FASTATTN_BWD_FEWER_BLOCKS=1 PYG_FASTATTN_BWD_NARROW=1}; do sets+=" --set $st"; done
+    for st in ${AB_SETS:-PYG_FASTATTN_BWD_NARROW=1 PYG_FASTATTN_BWD_NARROW=0}; do sets+=" --set $st"; done
     run_step ab "${T_AB:-120}" "python3 benchmarks/ab_env.py ${AB_WORKLOADS:-gat_1m gat_1m_bf16 gat_100k}$sets"
 fi
 

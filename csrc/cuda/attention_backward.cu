@@ -107,8 +107,8 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const R& r, A aedge,
 // two blocks fit; the chunked index loads take one dependent round trip out
 // of every batch. MODE kBwdLean (no a_edge, mask or CSR-order grad_z, no
 // streaming units, one head per lane) compiles without that code to 80
-// registers, so three blocks fit (four in fp32 and bfloat16:
-// bwd_min_blocks). kBwdEdge (softmax_aggregate: a_edge, no a_src or a_dst,
+// registers, so three blocks fit (four in fp32, with narrower batches:
+// bwd_min_blocks, bwd_narrow_batch). kBwdEdge (softmax_aggregate: a_edge, no a_src or a_dst,
 // grad_z in CSR order, still no mask or streaming units) keeps three blocks
 // (a few bytes spill) and gathers the 8-byte RowInfoLD {lse, delta} per
 // entry and head.
@@ -139,13 +139,13 @@ constexpr int bwd_min_blocks() {
              : kAttnBwdBlocksLean;
 }
 
-// EB: entries of a column a lane has in flight per batch (bwd_batch, or
-// kAttnBwdWideBatch for the float32 lean kernel with owner lanes). MINB > 0
-// overrides bwd_min_blocks (bwd_fewer_blocks).
+// EB: entries of a column a lane has in flight per batch (bwd_batch;
+// kAttnBwdWideBatch or kAttnBwdNarrowBatch for the float32 lean kernel with
+// and without owner lanes).
 template <typename scalar_t, typename index_t, int V, int MODE, bool PARTIAL,
-          int EB, int OWN, int MINB = 0>
-__global__ void __launch_bounds__(
-    kBlock, (MINB > 0 ? MINB : bwd_min_blocks<scalar_t, MODE, PARTIAL, EB>()))
+          int EB, int OWN>
+__global__ void __launch_bounds__(kBlock,
+                                  (bwd_min_blocks<scalar_t, MODE, PARTIAL, EB>()))
     attention_bwd_kernel(AttnArgs<scalar_t, index_t> a, TileLayout L) {
   using A = acc_t<scalar_t>;
   // Lean modes: each batch entry is scored by one of STRIDE lanes of its
@@ -560,18 +560,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
               <<<pgrid, kBlock, 0, stream>>>(a, L);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
         }
-        constexpr bool fewer_ok =
-            M == kBwdLean && B == O &&
-            bwd_min_blocks<scalar_t, M, false, B>() > kAttnBwdBlocksLean;
-        if constexpr (fewer_ok) {
-          if (bwd_fewer_blocks()) {
-            attention_bwd_kernel<scalar_t, index_t, VW, M, false, B, O,
-                                 kAttnBwdBlocksLean>
-                <<<grid, kBlock, 0, stream>>>(a, L);
-            C10_CUDA_KERNEL_LAUNCH_CHECK();
-            return;
-          }
-        }
         attention_bwd_kernel<scalar_t, index_t, VW, M, false, B, O>
             <<<grid, kBlock, 0, stream>>>(a, L);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -587,14 +575,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
         if constexpr (EBL == 1) {
           launch_own(mode, EBc(), std::integral_constant<int, 1>());
         } else {
-          if constexpr (wide_ok) {
+          if constexpr (wide_ok) {  // float32 GAT: other batch sizes
             if (own && LH >= kAttnBwdWideBatch && bwd_wide_batch()) {
               launch_own(mode, std::integral_constant<int, kAttnBwdWideBatch>(),
                          std::integral_constant<int, 1>());
               return;
             }
-          }
-          if constexpr (decltype(mode)::value == kBwdLean) {
             if (!own && bwd_narrow_batch()) {
               using NB = std::integral_constant<int, kAttnBwdNarrowBatch>;
               launch_own(mode, NB(), NB());
