@@ -108,10 +108,10 @@ __device__ __forceinline__ A bwd_alpha(A asrc, const R& r, A aedge,
 // of every batch. MODE kBwdLean (no a_edge, mask or CSR-order grad_z, no
 // streaming units, one head per lane) compiles without that code to 80
 // registers, so three blocks fit (four in fp32, with narrower batches:
-// bwd_min_blocks, bwd_narrow_batch). kBwdEdge (softmax_aggregate: a_edge, no a_src or a_dst,
-// grad_z in CSR order, still no mask or streaming units) keeps three blocks
-// (a few bytes spill) and gathers the 8-byte RowInfoLD {lse, delta} per
-// entry and head.
+// bwd_min_blocks, bwd_narrow_batch). kBwdEdge (softmax_aggregate: a_edge,
+// no a_src or a_dst, grad_z in CSR order, still no mask or streaming units)
+// keeps three blocks (a few bytes spill) and gathers the 8-byte RowInfoLD
+// {lse, delta} per entry and head.
 // Measurements: RESULTS.md.
 //
 // PARTIAL: the split path's partials: block (w, tile) processes both slots
