@@ -2,9 +2,11 @@
 """Same-process A/B of the kernels' environment switches (CUDA).
 
 Each workload of ``ncu_kernels.py`` runs under every setting in turn (a
-variable that a setting does not name is unset), in interleaved rounds (so clock and thermal drift hit all settings alike); the
-switches are read at every launch, so one process serves all settings.
-Per setting: the median of the rounds' medians of CUDA-event times.
+variable that a setting does not name is unset), in interleaved rounds, so
+that clock and thermal drift hit all settings alike; the switches are read
+at every launch, so one process serves all settings. A round of a setting
+is ``_timing.time_fn`` (a warm-up call, then CUDA events around each
+timed call); per setting, the median of the rounds' medians.
 
     python benchmarks/ab_env.py gat_1m gat_1m_bf16 \\
         --set PYG_FASTATTN_BWD_NARROW=1 --set PYG_FASTATTN_BWD_NARROW=0
@@ -18,6 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import time_fn  # noqa: E402
 from ncu_kernels import WORKLOADS  # noqa: E402
 
 
@@ -32,18 +35,6 @@ def apply(setting, names):
     os.environ.update(parse(setting))
 
 
-def time_calls(fn, calls):
-    ts = []
-    for _ in range(calls):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     ap.add_argument('workloads', nargs='+', choices=sorted(WORKLOADS))
@@ -55,18 +46,15 @@ def main():
     print(f'# {torch.cuda.get_device_name()}, torch {torch.__version__}; '
           f'{args.rounds} rounds x {args.calls} calls, medians (ms)', flush=True)
     names = {k for st in args.settings for k in parse(st)}
+    dev = torch.device('cuda')
     for w in args.workloads:
         fn = WORKLOADS[w]()
         med = {s: [] for s in args.settings}
-        for s in args.settings:  # warm-up under every setting
-            apply(s, names)
-            for _ in range(3):
-                fn()
-        torch.cuda.synchronize()
         for _ in range(args.rounds):
             for s in args.settings:
                 apply(s, names)
-                med[s].append(time_calls(fn, args.calls))
+                med[s].append(time_fn(fn, dev, warmup=1, min_reps=args.calls,
+                                      max_reps=args.calls)['median_ms'])
         base = statistics.median(med[args.settings[0]])
         for s in args.settings:
             m = statistics.median(med[s])
