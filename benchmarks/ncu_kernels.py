@@ -18,6 +18,7 @@ Workloads (uniformly random edges, x requiring grad as in a hidden layer):
   gat_100k     FastGATConv 128 -> 8 x 16, 100k nodes / 2M edges, fp32 fwd+bwd
   sa_1m        softmax_aggregate, 1M rows x 20 edges x 8 heads x 16 channels,
                fp32 fwd+bwd (scores and values require grad)
+  sa_1m_bf16   the same in bfloat16
 """
 import argparse
 import csv
@@ -38,11 +39,13 @@ def gat(N, E, H, C, amp):
                     amp=amp, x_grad=True)
 
 
-def softmax_aggregate(N, deg, H, C):
+def softmax_aggregate(N, deg, H, C, dtype=torch.float32):
     """bench_ops.py's softmax_aggregate data (int64 indices), forward+backward."""
     from bench_ops import _aggregate_data
     from pyg_fastattn.ops import softmax_aggregate as op
     rowptr, col, _, _, s, v, g, csc = _aggregate_data(torch.device('cuda'), N, deg, H, C)
+    s, v = (t.detach().to(dtype).requires_grad_(True) for t in (s, v))
+    g = g.to(dtype)
     return lambda: torch.autograd.grad(
         op(rowptr, col, s, v, csc=csc, validate=False), (s, v), g)
 
@@ -52,6 +55,7 @@ WORKLOADS = {
     'gat_1m_bf16': lambda: gat(1_000_000, 20_000_000, 4, 32, True),
     'gat_100k': lambda: gat(100_000, 2_000_000, 8, 16, False),
     'sa_1m': lambda: softmax_aggregate(1_000_000, 20, 8, 16),
+    'sa_1m_bf16': lambda: softmax_aggregate(1_000_000, 20, 8, 16, torch.bfloat16),
 }
 
 
