@@ -184,16 +184,6 @@ inline bool bwd_narrow_batch() {
   return env_flag("PYG_FASTATTN_BWD_NARROW", kAttnBwdNarrowDefault);
 }
 
-// softmax_aggregate's float32 backward (kBwdEdge) with int64 indices:
-// kAttnBwdNarrowBatch entries of a column in flight per batch instead of 4
-// (4 spill at kAttnBwdBlocksLean blocks); edge_narrow_batch() says whether:
-// PYG_FASTATTN_EDGE_NARROW=0 / 1 (tests, A/B runs) overrides the default.
-constexpr bool kAttnBwdEdgeNarrowDefault = false;
-
-inline bool edge_narrow_batch() {
-  return env_flag("PYG_FASTATTN_EDGE_NARROW", kAttnBwdEdgeNarrowDefault);
-}
-
 struct SplitPlan {
   int64_t split;  // rows with more edges than this are split (>= chunk)
   int64_t chunk;  // edges per chunk

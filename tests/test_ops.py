@@ -652,34 +652,3 @@ def test_bwd_narrow_batch(monkeypatch, heads, C, idx, split):
     for k, (a, b) in enumerate(zip(res['0'], res['1'])):
         assert torch.isfinite(a).all() and a.abs().sum() > 0, k
         assert torch.equal(a, b), f'gradient {k} differs'
-
-
-@requires_cuda
-@pytest.mark.cuda
-@pytest.mark.parametrize('heads,C', [(8, 16), (4, 32), (1, 64), (4, 12)])
-@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize('split', [None, '16'])
-def test_edge_narrow_batch(monkeypatch, heads, C, dtype, split):
-    """CUDA: softmax_aggregate's backward with int64 indices and
-    kAttnBwdNarrowBatch entries a lane in flight (PYG_FASTATTN_EDGE_NARROW=1)
-    gives the gradients of bwd_batch's 4 (=0) bit for bit, with a hub row
-    and a hub column (split=16: also on the split path)."""
-    if not _build.load().native:
-        pytest.skip(f'native kernels unavailable: {_build.load().error}')
-    monkeypatch.delenv('PYG_FASTATTN_OWNER_LANES', raising=False)
-    rowptr, col, Ns, g = hub_graph(monkeypatch, split, torch.int64)
-    N, E = rowptr.numel() - 1, col.numel()
-    s = torch.randn(E, heads, device='cuda', generator=g).to(dtype)
-    v = torch.randn(Ns, heads, C, device='cuda', generator=g).to(dtype)
-    go = torch.randn(N, heads, C, device='cuda', generator=g).to(dtype)
-    csc = ops.csr_to_csc(rowptr, col, Ns, validate=False)
-    res = {}
-    for on in ('0', '1'):
-        monkeypatch.setenv('PYG_FASTATTN_EDGE_NARROW', on)
-        leaves = [t.clone().requires_grad_(True) for t in (s, v)]
-        out = ops.softmax_aggregate(rowptr, col, leaves[0], leaves[1], csc=csc,
-                                    validate=False)
-        res[on] = torch.autograd.grad(out, leaves, go)
-    for k, (a, b) in enumerate(zip(res['0'], res['1'])):
-        assert torch.isfinite(a).all() and a.abs().sum() > 0, k
-        assert torch.equal(a, b), f'gradient {k} differs'

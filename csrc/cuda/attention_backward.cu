@@ -570,12 +570,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
             decltype(mode)::value == kBwdLean && sizeof(scalar_t) == 4
                 ? kOwnerLanesBwdFp32
                 : kOwnerLanesBwdOther);
-        constexpr int M = decltype(mode)::value;
-        constexpr bool wide_ok =
-            M == kBwdLean && sizeof(scalar_t) == 4 && EBL == 4;
-        constexpr bool edge_narrow_ok =
-            M == kBwdEdge && sizeof(index_t) == 8 && EBL == 4;
-        using NB = std::integral_constant<int, kAttnBwdNarrowBatch>;
+        constexpr bool wide_ok = decltype(mode)::value == kBwdLean &&
+                                 sizeof(scalar_t) == 4 && EBL == 4;
         if constexpr (EBL == 1) {
           launch_own(mode, EBc(), std::integral_constant<int, 1>());
         } else {
@@ -586,12 +582,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cuda(
               return;
             }
             if (!own && bwd_narrow_batch()) {
-              launch_own(mode, NB(), NB());
-              return;
-            }
-          }
-          if constexpr (edge_narrow_ok) {  // softmax_aggregate, int64 indices
-            if (!own && edge_narrow_batch()) {
+              using NB = std::integral_constant<int, kAttnBwdNarrowBatch>;
               launch_own(mode, NB(), NB());
               return;
             }
