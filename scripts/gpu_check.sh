@@ -71,8 +71,9 @@
 #   build.log, tests.log, bench.log, profile.log   (tails of) the step logs
 #   ops_cuda.md, gat_cuda.md (gat_cuda.png is in the tarball)
 #   prebuilt.txz      what the build step built, xz-compressed (gzip, as
-#                     prebuilt.tgz, where xz is missing): the library and the
-#                     CPU-only build of the build tests; carry it as
+#                     prebuilt.tgz, where xz is missing): the library (packed
+#                     as soon as it is built) and the CPU-only build of the
+#                     build tests; carry it as
 #                     .data/prebuilt<name>.txz (or .tgz; one name per pack), and
 #                     a later call with the same sources skips those builds
 # Data: if ./.data/Planetoid exists (a copy of shared/data carried along),
@@ -248,6 +249,7 @@ collect() {
     cp "$STATUS" "$WORK/status_copy.txt" 2>/dev/null
     tar -czf "$OUT/gpu_check.tar.gz.tmp" -C "$WORK" logs bench_out status.txt 2>/dev/null &&
         mv "$OUT/gpu_check.tar.gz.tmp" "$OUT/gpu_check.tar.gz"
+    rm -f "$OUT"/prebuilt.t?z.part  # a pack the build step's timeout cut short
 }
 
 # ---------------------------------------------------------------- steps
@@ -345,27 +347,29 @@ if os.path.exists(log):
         print(f"{(int(r[1]) - int(r[0])) / 1000:8.1f} s  {r[3]}")
 EOF
 d=$(python3 -c "from pyg_fastattn._build import info; print(info()[\"build_dir\"])")
+# What this call built goes into prebuilt.txz: the library (xz: 9.8 MB where
+# gzip gives 15.9; a returned file may have 16 MiB) as soon as it is built,
+# then again with the CPU-only folder (objects included, under 1 MB), each
+# written aside and renamed, so that a step cut short still returns a whole
+# pack. A library unpacked from a carried prebuilt (no ninja log) is not
+# packed again.
+pack=()
+if [ -f "$d/.ninja_log" ]; then pack+=("$(basename "$d")/pyg_fastattn_C.so")
+else echo "library from a carried prebuilt: not packed again"; fi
+pack_prebuilt() {
+    [ ${#pack[@]} -gt 0 ] || return 0
+    if command -v xz >/dev/null; then local f="'"$OUT"'/prebuilt.txz" z=-J; export XZ_OPT="-6 -T0"
+    else local f="'"$OUT"'/prebuilt.tgz" z=-z; fi
+    tar -c $z -f "$f.part" --exclude=lock -C "$(dirname "$d")" "${pack[@]}" && mv "$f.part" "$f"
+}
+pack_prebuilt
 # The CPU-only build that the build tests copy their objects from
 # (tests/test_robustness.py, _cpu_objects): one build here, not one in each
 # of those tests while the other shards run.
 c=$(python3 -c "from pyg_fastattn import _build as b; print(b._build_dir_for(b._csrc(), False))")
 had_cpu=$([ -f "$c/pyg_fastattn_C.so" ] && echo 1 || echo 0)
 PYG_FASTATTN_CUDA=0 python3 -m pyg_fastattn.build || exit $?
-# What this call built goes into prebuilt.txz: the library (xz: 9.8 MB where
-# gzip gives 15.9; a returned file may have 16 MiB) and the CPU-only folder
-# (objects included, under 1 MB). A library unpacked from a carried prebuilt
-# (no ninja log) is not packed again.
-pack=()
-if [ -f "$d/.ninja_log" ]; then pack+=("$(basename "$d")/pyg_fastattn_C.so")
-else echo "library from a carried prebuilt: not packed again"; fi
-[ $had_cpu -eq 0 ] && [ "$c" != "$d" ] && pack+=("$(basename "$c")")
-if [ ${#pack[@]} -gt 0 ]; then
-    if command -v xz >/dev/null; then
-        XZ_OPT="-6 -T0" tar -cJf "'"$OUT"'/prebuilt.txz" --exclude=lock -C "$(dirname "$d")" "${pack[@]}"
-    else
-        tar -czf "'"$OUT"'/prebuilt.tgz" --exclude=lock -C "$(dirname "$d")" "${pack[@]}"
-    fi
-fi
+if [ $had_cpu -eq 0 ] && [ "$c" != "$d" ]; then pack+=("$(basename "$c")"); pack_prebuilt; fi
 ls -l "'"$OUT"'"/prebuilt* 2>/dev/null || true
 '
 fi
