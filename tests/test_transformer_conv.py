@@ -178,6 +178,69 @@ def test_no_edges(backend):
     assert_same(run(ref, x, ei, ea), run(fast, x, ei, ea), torch.float64)
 
 
+# edge_attr shapes that broadcast to [E, H, C] (E, H, C as given)
+RAW_EDGE_ATTR = {'EHC': lambda E, H, C: (E, H, C), 'E1C': lambda E, H, C:
+                 (E, 1, C), 'EH1': lambda E, H, C: (E, H, 1),
+                 '1HC': lambda E, H, C: (1, H, C), 'HC': lambda E, H, C:
+                 (H, C), 'scalar': lambda E, H, C: ()}
+
+
+@pytest.mark.parametrize('name', ['plain', 'mean_beta', 'no_root'])
+@pytest.mark.parametrize('shape', list(RAW_EDGE_ATTR))
+def test_edge_attr_without_edge_dim(backend, name, shape):
+    """Without edge_dim, TransformerConv adds edge_attr as it is to the
+    values (not to the keys): outputs and every gradient, edge_attr's
+    included, on edge_index and on a PreparedGraph."""
+    kw = CONFIGS[name]
+    dtype = torch.float64
+    ref, fast = make_pair(dtype, 11, 5, **kw)
+    ei = graph(30, 30, 150)
+    x = torch.randn(30, 11, dtype=dtype)
+    ea = torch.randn(RAW_EDGE_ATTR[shape](ei.size(1), kw['heads'], 5),
+                     dtype=dtype)
+    r1 = run(ref, x, ei, ea)
+    assert_same(r1, run(fast, x, ei, ea), dtype)
+    g = prepare(ei, num_nodes=30, add_self_loops=False)
+    assert_same(r1, run(fast, x, g, ea), dtype, same_edge_index=False)
+
+
+def test_edge_attr_without_edge_dim_as_pyg():
+    """Raw edge_attr: dropout applies to its term; dtypes promote as in
+    TransformerConv; shapes only PyG's message passing takes (or rejects)
+    run it; a PreparedGraph rejects them."""
+    dtype = torch.float64
+    ei = graph(20, 20, 80, seed=4)
+    E = ei.size(1)
+    x = torch.randn(20, 8, dtype=dtype)
+    ref, fast = make_pair(dtype, 8, 4, heads=2, dropout=1.0)
+    ea = torch.randn(E, 2, 4, dtype=dtype)
+    ref.train()
+    fast.train()  # every weight dropped: only the skip term is left
+    torch.testing.assert_close(fast(x, ei, ea), ref(x, ei, ea))
+    torch.testing.assert_close(fast(x, ei, ea), ref.lin_skip(x))
+
+    ref, fast = make_pair(torch.float32, 8, 4, heads=2)
+    out = fast(x.float(), ei, ea)
+    assert out.dtype == torch.float64  # float32 values + float64 edge_attr
+    torch.testing.assert_close(out, ref(x.float(), ei, ea),
+                               **TOL[torch.float32])
+
+    g = prepare(ei, num_nodes=20, add_self_loops=False)
+    for shape in [(E, 8), (E, ), (E, 4), (2, E, 2, 4)]:
+        ea = torch.randn(shape, dtype=dtype)
+        ref, fast = make_pair(dtype, 8, 4, heads=2)
+        with pytest.raises(RuntimeError):
+            ref(x, ei, ea)
+        with pytest.raises(RuntimeError):
+            fast(x, ei, ea)
+        with pytest.raises(ValueError, match='broadcast'):
+            fast(x, g, ea)
+    # one head, mean: PyG broadcasts [E, C] to [E, E, C]
+    ref, fast = make_pair(dtype, 8, 4, heads=1, concat=False)
+    ea = torch.randn(E, 4, dtype=dtype)
+    torch.testing.assert_close(fast(x, ei, ea), ref(x, ei, ea))
+
+
 @pytest.mark.parametrize('layout', ['coo', 'csr'])
 def test_torch_sparse_adjacency(backend, layout):
     dtype = torch.float64

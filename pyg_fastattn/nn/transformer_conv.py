@@ -21,12 +21,15 @@ class _TransformerScore:
     [Ns, H, C], ``edge_term`` (``lin_edge(edge_attr)``, [E', H, C] in CSR
     order, added to the keys and the values) or None, ``scale`` (1 /
     sqrt(C)), ``grads_in_place`` (the op may write the gradients over its
-    out, key and value)."""
+    out, key and value), ``value_edge`` (``edge_attr`` without ``lin_edge``,
+    added to the values only; broadcasts to [E', H, C], CSR order where it
+    has one row per edge) or None."""
     query: Tensor
     key: Tensor
     edge_term: Optional[Tensor]
     scale: float
     grads_in_place: bool = False
+    value_edge: Optional[Tensor] = None
 
 
 class FastTransformerConv(FusedAttentionConv, TransformerConv):
@@ -51,7 +54,10 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
     * ``edge_index``: [2, E]; a sparse adjacency ``adj_t`` [N_dst, N_src]
       (torch.sparse, or ``torch_sparse.SparseTensor``); or a
       :class:`PreparedGraph` prepared with ``add_self_loops=False``.
-    * ``edge_attr``: [E, edge_dim] in ``edge_index`` order.
+    * ``edge_attr``: [E, edge_dim] in ``edge_index`` order; without
+      ``edge_dim``, as TransformerConv, anything that broadcasts to [E, H,
+      C], added to the values as it is (not to the keys); other shapes run
+      TransformerConv's own code, which broadcasts them or raises.
     * output: [N_dst, H * C] if ``concat`` else [N_dst, C]; with
       ``return_attention_weights`` also the weights as TransformerConv
       returns them (before dropout): ``(edge_index, alpha [E, H])``, or the
@@ -95,24 +101,32 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         value = value.view(-1, H, C)
 
         graph = self.prepare_graph(edge_index, key, query, None, edge_attr)
+        value_edge = None
         if self.lin_edge is None:
+            if edge_attr is not None:
+                value_edge = self._value_edge(edge_attr, graph, edge_index)
+                if value_edge is None:
+                    return super().forward(x, edge_index, edge_attr,
+                                           return_attention_weights)
             edge_attr = None
         elif edge_attr is None:
             raise ValueError("'edge_attr' is required when the layer has "
                              "'edge_dim' (as in TransformerConv)")
         # Only this op holds out (the skip term or the mean makes the
         # output a new tensor; beta's Mul would save it) and key and value
-        # (fresh outputs of its own plain Linears). Not under torch.func
-        # transforms: vmap runs the op on slices of shared buffers.
+        # (fresh outputs of its own plain Linears; not with value_edge, whose
+        # scores hold the keys). Not under torch.func transforms: vmap runs
+        # the op on slices of shared buffers.
         compiling = _is_compiling()
         in_place = (self.grads_in_place and not compiling
+                    and value_edge is None
                     and (self.root_weight or not self.concat)
                     and self.lin_beta is None and fresh[0]
                     and not torch._C._functorch.is_functorch_wrapped_tensor(
                         key))
         out, weights = self.fused_propagate(
-            graph, value, (key, in_place), query, edge_attr, edge_index,
-            isinstance(return_attention_weights, bool),
+            graph, value, (key, in_place, value_edge), query, edge_attr,
+            edge_index, isinstance(return_attention_weights, bool),
             weights_after_dropout=False)
 
         if self.concat:
@@ -157,27 +171,51 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         return query, key, value, skip, (plain_key and plain_value,
                                          plain_skip)
 
+    def _value_edge(self, edge_attr: Tensor, graph: PreparedGraph,
+                    edge_index) -> Optional[Tensor]:
+        """``edge_attr`` without ``lin_edge``, which TransformerConv adds to
+        the values: in CSR order if it has one row per edge. None if it
+        does not broadcast to [E, H, C] (TransformerConv's code then runs
+        it or raises)."""
+        shape = (graph.num_edges, self.heads, self.out_channels)
+        try:
+            fits = torch.broadcast_shapes(edge_attr.shape, shape) == shape
+        except RuntimeError:
+            fits = False
+        if not fits:
+            if isinstance(edge_index, PreparedGraph):
+                raise ValueError(
+                    f"without 'edge_dim', 'edge_attr' must broadcast to "
+                    f"[E, heads, out_channels] = {list(shape)}, got "
+                    f"{list(edge_attr.shape)}")
+            return None
+        if edge_attr.dim() == 3 and edge_attr.size(0) > 1:
+            return edge_attr[graph.csr_perm]
+        return edge_attr
+
     # Hooks ##################################################################
 
     def compute_score(self, graph: PreparedGraph,
-                      key_in_place: Tuple[Tensor, bool], query: Tensor,
+                      key_args: Tuple[Tensor, bool, Optional[Tensor]],
+                      query: Tensor,
                       edge_attr: Optional[Tensor]) -> _TransformerScore:
-        """The score inputs; ``key_in_place``: ``(key [Ns, H, C],
-        grads_in_place)``, ``query`` [N, H, C], ``edge_attr`` [E', D] (CSR
-        order) or None."""
-        key, in_place = key_in_place
+        """The score inputs; ``key_args``: ``(key [Ns, H, C],
+        grads_in_place, value_edge)``, ``query`` [N, H, C], ``edge_attr``
+        [E', D] (CSR order) or None."""
+        key, in_place, value_edge = key_args
         edge_term = None
         if edge_attr is not None:
             self.materialize(self.lin_edge, edge_attr)
             edge_term = self.lin_edge(edge_attr).view(-1, self.heads,
                                                       self.out_channels)
         return _TransformerScore(query, key, edge_term,
-                                 1.0 / math.sqrt(self.out_channels), in_place)
+                                 1.0 / math.sqrt(self.out_channels), in_place,
+                                 value_edge)
 
     def attend(self, graph: PreparedGraph, values: Tensor, score,
                mask: Optional[Tensor], return_lse: bool):
         """Score, softmax, dropout and aggregation in
-        ``transformer_attention``."""
+        ``transformer_attention``; ``value_edge``'s term apart."""
         # The op itself (its wrapper's checks hold by construction here;
         # under autocast the op casts every input).
         dt = score.key.dtype
@@ -188,7 +226,25 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
             graph.rowptr, graph.col, query, score.key, values, edge_term,
             mask, score.scale, *tuple(graph.csc)[:3], *graph.max_lengths,
             score.grads_in_place)
+        if score.value_edge is not None:  # in value_j + edge_attr's dtype
+            msg_dt = torch.promote_types(values.dtype, score.value_edge.dtype)
+            out = out + self._value_edge_sum(graph, query, score,
+                                             mask).to(msg_dt)
         return out, (lse if return_lse else None)
+
+    def _value_edge_sum(self, graph: PreparedGraph, query: Tensor, score,
+                        mask: Optional[Tensor]) -> Tensor:
+        """``sum_j alpha_ij * mask_ij * value_edge_ij`` [N, H, C] (the
+        softmax again, from sddmm: deterministic, no atomics)."""
+        s = ops.sddmm_csr(graph.rowptr, graph.col, query, score.key,
+                          csc=graph.csc, validate=False) * score.scale
+        alpha = ops.edge_softmax(s, graph.rowptr, validate=False)
+        if mask is not None:
+            alpha = alpha * mask
+        t = alpha.unsqueeze(-1) * torch.broadcast_to(
+            score.value_edge, (s.size(0), self.heads, self.out_channels))
+        return ops.segment_sum(graph.rowptr, t.flatten(1)).view(
+            -1, self.heads, self.out_channels)
 
     def score_at(self, graph: PreparedGraph, score, pos: Tensor, src: Tensor,
                  dst: Tensor) -> Tensor:
