@@ -247,6 +247,40 @@ def test_edge_index_sparse_size_checked():
         torch.testing.assert_close(f(x, e), p(x, e.as_tensor()))
 
 
+
+@pytest.mark.parametrize('name,loops', [('gat', True), ('gat', False),
+                                        ('gatv2', True), ('gatv2', False),
+                                        ('transformer', None)])
+def test_edge_index_attention_weights(name, loops):
+    """With an EdgeIndex, the attention weights' edge_index is PyG's: the
+    input itself without self-loops; with them an int64 EdgeIndex, unsorted,
+    of the input's sparse size (grown to the loops'), as undirected as the
+    input. Sizes known or not, sorted or not, int32, undirected, bipartite."""
+    from torch_geometric import EdgeIndex
+    kw = {} if loops is None else dict(add_self_loops=loops)
+    x, ei = _graph(N=7, E=20)
+    und = torch.cat([ei, ei.flip(0)], dim=1)
+    cases = [(x, EdgeIndex(ei, sparse_size=(7, 7))),
+             (x, EdgeIndex(ei.int(), sparse_size=(7, 7))),
+             (x, EdgeIndex(ei)),
+             (x, EdgeIndex(ei, sparse_size=(7, 7)).sort_by('col')[0]),
+             (x, EdgeIndex(ei).sort_by('row')[0]),
+             (x, EdgeIndex(und, sparse_size=(7, 7), is_undirected=True)),
+             ((x, x[:5]), EdgeIndex(ei[:, ei[1] < 5], sparse_size=(7, 5)))]
+    for xs, e in cases:
+        p, f = _pair(name, 5, 3, heads=2, **kw)
+        _, (a, alpha_p) = p(xs, e, return_attention_weights=True)
+        _, (b, alpha_f) = f(xs, e, return_attention_weights=True)
+        assert type(b) is type(a) is EdgeIndex
+        assert (b is e) == (a is e)
+        assert b.dtype == a.dtype
+        assert b.sparse_size() == a.sparse_size()
+        assert b.sort_order == a.sort_order
+        assert b.is_undirected == a.is_undirected
+        assert torch.equal(b.as_tensor(), a.as_tensor())
+        torch.testing.assert_close(alpha_f, alpha_p)
+
+
 def test_three_dim_edge_attr():
     """edge_attr [E, 1, D], which PyG's layers take as [E, D]."""
     x, ei = _graph()

@@ -19,8 +19,8 @@ from torch_geometric.nn.conv import MessagePassing
 from torch_geometric.nn.dense.linear import Linear
 
 from .. import ops
-from .graph import (PreparedGraph, _is_compiling, _sparse_tensor_cls,
-                    get_graph, is_sparse_adj)
+from .graph import (PreparedGraph, _EdgeIndex, _is_compiling,
+                    _sparse_tensor_cls, get_graph, is_sparse_adj)
 
 __all__ = ['FusedAttentionConv', 'AdditiveScore', 'plain_linear']
 
@@ -545,8 +545,18 @@ def _format_weights(graph: PreparedGraph, src: Tensor, dst: Tensor,
     """Shape the attention weights like GATConv for the input's form."""
     layout = graph.layout
     if layout == 'edge_index':
+        if not graph.add_self_loops and isinstance(edge_index, Tensor):
+            return edge_index, alpha  # GATConv returns its input
         dtype = torch.int64 if graph.add_self_loops else graph.index_dtype
-        return torch.stack([src, dst]).to(dtype), alpha
+        ei = torch.stack([src, dst]).to(dtype)
+        if _EdgeIndex is not None and isinstance(edge_index, _EdgeIndex):
+            # GATConv's cat of the kept edges and the loops: unsorted, each
+            # known size at least the loops'
+            size = tuple(None if n is None else max(n, graph.num_loops)
+                         for n in edge_index.sparse_size())
+            ei = _EdgeIndex(ei, sparse_size=size,
+                            is_undirected=edge_index.is_undirected)
+        return ei, alpha
     Nd, Ns = graph.num_dst, graph.num_src
     if graph.add_self_loops:  # GATConv coalesces: sort by (dst, src)
         order = torch.argsort(dst * max(Ns, 1) + src, stable=True)
