@@ -281,6 +281,51 @@ def test_edge_index_attention_weights(name, loops):
         torch.testing.assert_close(alpha_f, alpha_p)
 
 
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('layout', ['coo', 'csr', 'csc'])
+@pytest.mark.parametrize('name,loops', [('gat', True), ('gat', False),
+                                        ('gatv2', True), ('gatv2', False),
+                                        ('transformer', None)])
+def test_sparse_adjacency_values_as_edge_attr(device, layout, name, loops):
+    """Without edge_attr, a torch.sparse adjacency's [nnz, D] values are the
+    edge features, as PyG's message passing takes them (self-loops filled
+    by fill_value): output and x's, the weights' and the values' gradients
+    as PyG's. (PyG's own layer on the adjacency gives the same output and
+    gradients, but cannot give the values' gradient: its remove_self_loops
+    writes into them. So PyG runs on the same edges and edge_attr.)"""
+    if loops and layout == 'csc':
+        pytest.skip("PyG's add_self_loops takes COO or CSR")
+    kw = {} if loops is None else dict(add_self_loops=loops)
+    x, ei = _graph(N=9, E=40, device=device)
+    N, D = x.size(0), 3
+    ea = torch.randn(ei.size(1), D, dtype=x.dtype, device=device)
+    adj = torch.sparse_coo_tensor(ei.flip(0), ea, (N, N, D)).coalesce()
+    if layout != 'coo':
+        adj = adj.to_sparse_csr() if layout == 'csr' else adj.to_sparse_csc()
+    coo = adj.to_sparse_coo().coalesce()
+    p, f = _pair(name, 5, 3, heads=2, edge_dim=D, **kw)
+    outs = []
+    for layer, graph in [(p, coo.indices().flip(0)), (f, adj)]:
+        layer.to(device)
+        xr = x.clone().requires_grad_()
+        if layer is p:
+            e = coo.values().clone().requires_grad_()
+            out = layer(xr, graph, e)
+        else:
+            # (torch cannot accumulate a gradient into a CSC leaf)
+            graph = graph.detach().clone().requires_grad_(layout != 'csc')
+            out = layer(xr, graph)
+        out.pow(2).sum().backward()
+        ge = (torch.sparse_coo_tensor(coo.indices(), e.grad, adj.shape)
+              if layer is p else graph.grad)
+        outs.append((out, xr.grad, [w.grad for w in layer.parameters()],
+                     None if layout == 'csc' else ge.to_dense()))
+    torch.testing.assert_close(outs[1], outs[0])
+    if layout != 'csc':  # (which PyG's to_edge_index rejects)
+        with torch.no_grad():  # PyG on the adjacency itself
+            torch.testing.assert_close(f(x, adj), p(x, adj))
+
+
 def test_three_dim_edge_attr():
     """edge_attr [E, 1, D], which PyG's layers take as [E, D]."""
     x, ei = _graph()

@@ -382,6 +382,25 @@ class FusedAttentionConv(MessagePassing):
     # Edge features ##########################################################
 
     @staticmethod
+    def adj_edge_attr(edge_index,
+                      edge_attr: Optional[Tensor]) -> Optional[Tensor]:
+        """``edge_attr``, or where it is None and ``edge_index`` is a sparse
+        adjacency, the adjacency's values where PyG's message passing takes
+        them as ``edge_attr``: a torch.sparse tensor's with feature
+        dimensions ([nnz, D]), a ``SparseTensor``'s any; in its nnz order.
+        Call it after :meth:`prepare_graph` (which rejects only a given
+        ``edge_attr`` beside self-loops, as PyG)."""
+        if edge_attr is not None or not is_sparse_adj(edge_index):
+            return edge_attr
+        if isinstance(edge_index, Tensor):
+            values = (edge_index._values()
+                      if edge_index.layout == torch.sparse_coo
+                      and not edge_index.is_coalesced()
+                      else edge_index.values())
+            return values if values.dim() > 1 else None
+        return edge_index.storage.value()
+
+    @staticmethod
     def check_edge_attr(edge_attr: Tensor, graph: PreparedGraph) -> Tensor:
         """``edge_attr`` as [E, D] (a 1-D one becomes [E, 1], an [E, 1, ...,
         D] one [E, D], as PyG's layers take them), checked."""

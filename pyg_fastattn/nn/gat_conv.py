@@ -31,7 +31,8 @@ class FastGATConv(FusedAttentionConv, GATConv):
       adjacency ``adj_t`` [N_dst, N_src] (torch.sparse COO/CSR/CSC, or
       ``torch_sparse.SparseTensor`` when installed); or a
       :class:`PreparedGraph` from :func:`pyg_fastattn.prepare`.
-    * ``edge_attr``: [E, D] or [E], in ``edge_index`` order.
+    * ``edge_attr``: [E, D] or [E], in ``edge_index`` order; if None, a
+      torch.sparse adjacency's [nnz, D] values, as PyG takes them.
     * ``size``: ``(N_src, N_dst)`` for bipartite graphs.
     * output: [N_dst, H * C] if ``concat`` else [N_dst, C]; with
       ``return_attention_weights=True`` also ``(edge_index', alpha)`` with
@@ -124,6 +125,7 @@ class FastGATConv(FusedAttentionConv, GATConv):
                 x_dst = lin_dst(x_dst).view(-1, H, C)
 
         graph = self.prepare_graph(edge_index, x_src, x_dst, size, edge_attr)
+        edge_attr = self.adj_edge_attr(edge_index, edge_attr)
         bias, weights = self.bias, None
         if return_attention_weights:
             ea = edge_attr if self.lin_edge is not None else None

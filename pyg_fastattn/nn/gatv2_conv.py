@@ -50,7 +50,8 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
       (torch.sparse, or ``torch_sparse.SparseTensor``); or a
       :class:`PreparedGraph` (with the layer's ``add_self_loops``).
     * ``edge_attr``: [E, edge_dim] or [E] in ``edge_index`` order; the
-      added self-loops get ``fill_value`` as in GATv2Conv.
+      added self-loops get ``fill_value`` as in GATv2Conv. If None, a
+      torch.sparse adjacency's [nnz, D] values, as PyG takes them.
     * output: [N_dst, H * C] if ``concat`` else [N_dst, C]; with
       ``return_attention_weights`` also ``(edge_index', alpha [E'', H])``
       (after dropout) as GATv2Conv returns them (a sparse adjacency holding
@@ -106,10 +107,10 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
 
         assert x_l is not None
         assert x_r is not None
+        graph = self.prepare_graph(edge_index, x_l, x_r, None, edge_attr)
+        edge_attr = self.adj_edge_attr(edge_index, edge_attr)
         if edge_attr is not None:
             assert self.lin_edge is not None
-
-        graph = self.prepare_graph(edge_index, x_l, x_r, None, edge_attr)
         bias = self.bias
         fuse = self._fuse_bias(x_l, res)
         out, weights = self.fused_propagate(graph, x_l, x_l, x_r, edge_attr,

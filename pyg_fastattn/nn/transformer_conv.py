@@ -57,7 +57,8 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
     * ``edge_attr``: [E, edge_dim] in ``edge_index`` order; without
       ``edge_dim``, as TransformerConv, anything that broadcasts to [E, H,
       C], added to the values as it is (not to the keys); other shapes run
-      TransformerConv's own code, which broadcasts them or raises.
+      TransformerConv's own code, which broadcasts them or raises. If
+      None, a torch.sparse adjacency's [nnz, D] values, as PyG takes them.
     * output: [N_dst, H * C] if ``concat`` else [N_dst, C]; with
       ``return_attention_weights`` also the weights as TransformerConv
       returns them (before dropout): ``(edge_index, alpha [E, H])``, or the
@@ -101,6 +102,7 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         value = value.view(-1, H, C)
 
         graph = self.prepare_graph(edge_index, key, query, None, edge_attr)
+        edge_attr = self.adj_edge_attr(edge_index, edge_attr)
         value_edge = None
         if self.lin_edge is None:
             if edge_attr is not None:
