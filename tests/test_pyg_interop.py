@@ -463,3 +463,16 @@ def test_swap_heterogeneous_models(device):
         for n in ref_g:
             torch.testing.assert_close(got_g[n], ref_g[n], atol=1e-4,
                                        rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize('name', ['gatv2', 'transformer'])
+def test_none_node_features_raise_as_pyg(name):
+    """x = (x_src, None) where the layer needs x_dst: PyG's error type."""
+    x, ei = _graph()
+    p, f = _pair(name, 5, 3, heads=2)
+    errors = []
+    for layer in (p, f):
+        with pytest.raises(Exception) as info:
+            layer((x, None), ei)
+        errors.append(info.type)
+    assert errors[1] is errors[0]

@@ -29,9 +29,9 @@ def plain_linear(lin, x: Tensor) -> bool:
     """Whether an op may compute ``lin(x)`` in place of calling ``lin``:
     it is PyG's own ``Linear`` (not a subclass: LoRA, quantized),
     initialized, without module hooks (forward or backward, its own or
-    global), and ``x`` is 2-D, of its width and device, in its dtype or
-    under autocast. Otherwise ``lin`` is called (and raises what PyG
-    raises)."""
+    global), and ``x`` is a 2-D tensor, of its width and device, in its
+    dtype or under autocast. Otherwise ``lin`` is called (and raises what
+    PyG raises)."""
     if type(lin) is not Linear:
         return False
     # (_parameters: Module.__getattr__ costs host time; None where a hook
@@ -40,7 +40,7 @@ def plain_linear(lin, x: Tensor) -> bool:
     hooks = torch.nn.modules.module
     # (the mixin: Parameter's metaclass makes isinstance() slow)
     return (w is not None and not isinstance(w, UninitializedTensorMixin)
-            and x.dim() == 2
+            and isinstance(x, Tensor) and x.dim() == 2
             and x.size(-1) == w.size(1) and x.device == w.device
             and (x.dtype == w.dtype
                  or torch.is_autocast_enabled(x.device.type))
