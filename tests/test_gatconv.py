@@ -549,7 +549,7 @@ def test_bad_edge_index():
         conv(x, torch.zeros(2, 4))
     with pytest.raises(IndexError, match='edge_index'):
         prepare(torch.tensor([[0, 1], [2, 9]]), num_nodes=5)
-    with pytest.raises(ValueError, match='edge_attr'):
+    with pytest.raises(IndexError, match='edge_attr'):  # as GATConv
         FastGATConv(4, 2, edge_dim=2)(x, torch.tensor([[0], [1]]),
                                       torch.randn(3, 2))
 

@@ -476,3 +476,26 @@ def test_none_node_features_raise_as_pyg(name):
             layer((x, None), ei)
         errors.append(info.type)
     assert errors[1] is errors[0]
+
+
+@pytest.mark.parametrize('name,edge_dim,loops', [
+    ('gat', 4, True), ('gat', 4, False), ('gat', None, True),
+    ('gat', None, False), ('gatv2', 4, True), ('gatv2', 4, False),
+    ('gatv2', None, True), ('gatv2', None, False),
+    ('transformer', 4, None)])
+def test_edge_attr_of_wrong_length(name, edge_dim, loops):
+    """edge_attr with more or fewer rows than edges: PyG's error type (with
+    self-loops its [E] mask's IndexError, even where the layer has no
+    edge_dim), or PyG's output where PyG ignores it."""
+    x, ei = _graph()
+    kw = {} if loops is None else dict(add_self_loops=loops)
+    p, f = _pair(name, 5, 3, heads=2, edge_dim=edge_dim, **kw)
+    for E in (7, ei.size(1) + 5):
+        ea = torch.randn(E, 4, dtype=torch.float64)
+        try:
+            ref = p(x, ei, ea)
+        except Exception as e:
+            with pytest.raises(type(e)):
+                f(x, ei, ea)
+        else:
+            torch.testing.assert_close(f(x, ei, ea), ref)

@@ -303,6 +303,15 @@ class FusedAttentionConv(MessagePassing):
         if graph.device != x_src.device:
             raise ValueError(f'`edge_index` is on {graph.device} but `x` is '
                              f'on {x_src.device}')
+        if (edge_attr is not None and graph.add_self_loops
+                and graph.layout == 'edge_index'
+                and (edge_attr.dim() == 0
+                     or edge_attr.size(0) != graph.num_edges)):
+            # PyG's remove_self_loops indexes edge_attr with an [E] mask,
+            # edge_dim or not
+            raise IndexError(f'`edge_attr` must have one row per edge '
+                             f'({graph.num_edges}), got '
+                             f'{tuple(edge_attr.shape)}')
         return graph
 
     def _graph(self, edge_index, x_src: Tensor, x_dst: Optional[Tensor],
@@ -407,8 +416,8 @@ class FusedAttentionConv(MessagePassing):
         ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
         if ea.dim() > 2 and math.prod(ea.shape[1:-1]) == 1:
             ea = ea.reshape(ea.size(0), ea.size(-1))
-        if ea.size(0) != graph.num_edges:
-            raise ValueError(f'`edge_attr` must have one row per edge '
+        if ea.size(0) != graph.num_edges:  # (PyG: a broadcast error)
+            raise RuntimeError(f'`edge_attr` must have one row per edge '
                              f'({graph.num_edges}), got {ea.size(0)}')
         return ea
 
