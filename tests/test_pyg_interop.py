@@ -499,3 +499,34 @@ def test_edge_attr_of_wrong_length(name, edge_dim, loops):
                 f(x, ei, ea)
         else:
             torch.testing.assert_close(f(x, ei, ea), ref)
+
+
+class _Half(torch.nn.Module):
+    def forward(self, w):
+        return 0.5 * w
+
+
+@pytest.mark.parametrize('how', ['prune', 'parametrize'])
+@pytest.mark.parametrize('name', ['gat', 'gatv2'])  # (with own parameters)
+def test_pruned_or_parametrized_parameters(name, how):
+    """torch.nn.utils.prune or a parametrization on the layer's own
+    parameters (attention vectors, bias): PyG's outputs and gradients."""
+    import torch.nn.utils.prune as prune
+    from torch.nn.utils import parametrize
+    x, ei = _graph()
+    ea = torch.randn(ei.size(1), 4, dtype=torch.float64)
+    p, f = _pair(name, 5, 3, heads=2, edge_dim=4)
+    names = [n for n, _ in p.named_parameters() if '.' not in n]
+    outs = []
+    for layer in (p, f):
+        for n in names:
+            if how == 'prune':
+                torch.manual_seed(3)
+                prune.random_unstructured(layer, n, 0.5)
+            else:
+                parametrize.register_parametrization(layer, n, _Half())
+        xr = x.clone().requires_grad_()
+        out = layer(xr, ei, ea)
+        out.pow(2).sum().backward()
+        outs.append((out, xr.grad, [w.grad for w in layer.parameters()]))
+    torch.testing.assert_close(outs[1], outs[0])

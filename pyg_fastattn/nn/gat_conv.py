@@ -151,8 +151,11 @@ class FastGATConv(FusedAttentionConv, GATConv):
         and the bias when they can go in) in one op."""
         H = self.heads
         # (parameters read from _parameters: Module.__getattr__ costs host
-        # time on every call)
+        # time on every call; pruned or parametrized ones are not there)
         params = self._parameters
+        att_src, att_dst, bias = (
+            params[k] if k in params else getattr(self, k)
+            for k in ('att_src', 'att_dst', 'bias'))
         weight = None if lin_x is None else self.lin._parameters['weight']
         a_edge_aug = self._edge_scores(edge_attr, graph)  # [E', H] or None
         a_edge = None if a_edge_aug is None else a_edge_aug[graph.csr_perm]
@@ -162,15 +165,14 @@ class FastGATConv(FusedAttentionConv, GATConv):
         a_edge = self.per_edge_cast(a_edge, dt, x_src.device)
         mask = self.per_edge_cast(mask, dt, x_src.device)
         shared = x_dst is x_src
-        bias = params['bias']
         # out + bias is the same [N, H * C] sum when nothing comes between
         fuse = (fuse_bias and bias is not None
                 and (autocast or bias.dtype == dt)
                 and (self.concat or H == 1))
         return ops.gat_attention(
             graph.rowptr, graph.col, graph.csc,
-            None if lin_x is not None else x_src, params['att_src'],
-            None if shared else x_dst, params['att_dst'], a_edge, mask,
+            None if lin_x is not None else x_src, att_src,
+            None if shared else x_dst, att_dst, a_edge, mask,
             self.negative_slope, dst_is_src=shared,
             bias=bias if fuse else None, x=lin_x, weight=weight,
             max_lengths=graph.max_lengths), fuse
