@@ -486,19 +486,25 @@ def test_none_node_features_raise_as_pyg(name):
 def test_edge_attr_of_wrong_length(name, edge_dim, loops):
     """edge_attr with more or fewer rows than edges: PyG's error type (with
     self-loops its [E] mask's IndexError, even where the layer has no
-    edge_dim), or PyG's output where PyG ignores it."""
+    edge_dim), or PyG's output and gradient where PyG ignores it or
+    broadcasts its one row."""
     x, ei = _graph()
     kw = {} if loops is None else dict(add_self_loops=loops)
     p, f = _pair(name, 5, 3, heads=2, edge_dim=edge_dim, **kw)
-    for E in (7, ei.size(1) + 5):
-        ea = torch.randn(E, 4, dtype=torch.float64)
+    for E in (1, 7, ei.size(1) + 5):
+        ea = torch.randn(E, 4, dtype=torch.float64, requires_grad=True)
         try:
             ref = p(x, ei, ea)
         except Exception as e:
             with pytest.raises(type(e)):
                 f(x, ei, ea)
         else:
-            torch.testing.assert_close(f(x, ei, ea), ref)
+            out = f(x, ei, ea)
+            torch.testing.assert_close(out, ref)
+            if edge_dim is not None:
+                torch.testing.assert_close(
+                    torch.autograd.grad(out.sum(), ea),
+                    torch.autograd.grad(ref.sum(), ea))
 
 
 class _Half(torch.nn.Module):

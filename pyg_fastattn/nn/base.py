@@ -412,13 +412,16 @@ class FusedAttentionConv(MessagePassing):
     @staticmethod
     def check_edge_attr(edge_attr: Tensor, graph: PreparedGraph) -> Tensor:
         """``edge_attr`` as [E, D] (a 1-D one becomes [E, 1], an [E, 1, ...,
-        D] one [E, D], as PyG's layers take them), checked."""
+        D] one [E, D], one row without self-loops is broadcast to every
+        edge, as PyG's layers take them), checked."""
         ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
         if ea.dim() > 2 and math.prod(ea.shape[1:-1]) == 1:
             ea = ea.reshape(ea.size(0), ea.size(-1))
+        if ea.size(0) == 1 and not graph.add_self_loops:
+            ea = ea.expand(graph.num_edges, -1)
         if ea.size(0) != graph.num_edges:  # (PyG: a broadcast error)
             raise RuntimeError(f'`edge_attr` must have one row per edge '
-                             f'({graph.num_edges}), got {ea.size(0)}')
+                               f'({graph.num_edges}), got {ea.size(0)}')
         return ea
 
     def edge_attr_csr(self, edge_attr: Optional[Tensor],
