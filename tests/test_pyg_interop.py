@@ -536,3 +536,20 @@ def test_pruned_or_parametrized_parameters(name, how):
         out.pow(2).sum().backward()
         outs.append((out, xr.grad, [w.grad for w in layer.parameters()]))
     torch.testing.assert_close(outs[1], outs[0])
+
+
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_no_edges_with_edge_features(name):
+    """A graph without edges (nor added loops) and [0, D] edge_attr: PyG's
+    output and which gradients are None (a zero one still moves a
+    parameter under Adam's momentum or weight decay)."""
+    x, ei = _graph()
+    kw = {} if name == 'transformer' else dict(add_self_loops=False)
+    p, f = _pair(name, 5, 3, heads=2, edge_dim=4, **kw)
+    res = []
+    for layer in (p, f):
+        ea = torch.zeros(0, 4, dtype=torch.float64, requires_grad=True)
+        out = layer(x, ei[:, :0], ea)
+        out.pow(2).sum().backward()
+        res.append((out, ea.grad, [w.grad for w in layer.parameters()]))
+    torch.testing.assert_close(res[1], res[0])

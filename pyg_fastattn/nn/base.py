@@ -429,7 +429,7 @@ class FusedAttentionConv(MessagePassing):
         """Edge features of every augmented edge, in CSR order: [E', D]
         (input edges, then the added loops filled as ``fill_value`` says),
         or None without ``edge_attr``."""
-        if edge_attr is None or graph.num_aug == 0:
+        if edge_attr is None:
             return None
         ea = self.check_edge_attr(edge_attr, graph)
         if graph.num_loops > 0:
