@@ -248,8 +248,8 @@ def gat_attention_backward(grad_out: Tensor, rowptr: Tensor, col: Tensor,
             g_h_dst = (g_dst.unsqueeze(-1) * att_dst).view(h_dst.shape)
     g_x = g_w = None
     if weight is not None:
-        g_x = g_h.reshape(h.size(0), -1) @ weight
-        g_w = g_h.reshape(h.size(0), -1).t() @ x
+        g_x = g_h.flatten(1) @ weight  # (flatten: no -1 for 0 nodes)
+        g_w = g_h.flatten(1).t() @ x
         g_h = None
     g_bias = None
     if bias is not None:

@@ -373,10 +373,10 @@ def test_vmap_then_backward(name):
 
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('name', list(PAIRS))
-def test_empty_node_sets(device, name):
+def test_empty_node_sets(device, name, backend):
     """No nodes at all, no destinations, no sources (a node type that a
     heterogeneous mini-batch did not sample): PyG's empty outputs and
-    gradients, forward and backward."""
+    gradients, forward and backward, on the kernels and the fallback."""
     P, F = PAIRS[name]
     ei = torch.empty(2, 0, dtype=torch.long, device=device)
     loops = {} if name == 'transformer' else dict(add_self_loops=False)
