@@ -343,7 +343,7 @@ def test_torch_sparse_bipartite(backend, loops):
 
 def test_unsupported_edge_index_type():
     conv = FastGATConv(4, 2)
-    with pytest.raises(TypeError, match='torch.sparse'):
+    with pytest.raises(ValueError, match='torch.sparse'):  # as GATConv
         conv(torch.randn(3, 4), [[0, 1], [1, 2]])
 
 

@@ -553,3 +553,14 @@ def test_no_edges_with_edge_features(name):
         out.pow(2).sum().backward()
         res.append((out, ea.grad, [w.grad for w in layer.parameters()]))
     torch.testing.assert_close(res[1], res[0])
+
+
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_edge_index_of_another_type_raises_as_pyg(name):
+    """An edge_index that is no tensor (a nested list): PyG's error type."""
+    x, ei = _graph()
+    p, f = _pair(name, 5, 3, heads=2)
+    with pytest.raises(Exception) as info:
+        p(x, ei.tolist())
+    with pytest.raises(info.type, match='torch.sparse'):
+        f(x, ei.tolist())

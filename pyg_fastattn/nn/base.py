@@ -366,7 +366,7 @@ class FusedAttentionConv(MessagePassing):
                   size[1] if size is not None and size[1] is not None else Ns)
             return get_graph(edge_index, Ns, Nd, loops)
 
-        raise TypeError(
+        raise ValueError(  # (PyG's propagate: a ValueError)
             '`edge_index` must be a [2, E] integer tensor, a torch.sparse '
             'adjacency (COO/CSR/CSC, rows = destinations), a '
             'torch_sparse.SparseTensor (when torch_sparse is installed) or a '
