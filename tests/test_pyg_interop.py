@@ -546,13 +546,16 @@ def test_no_edges_with_edge_features(name):
     x, ei = _graph()
     kw = {} if name == 'transformer' else dict(add_self_loops=False)
     p, f = _pair(name, 5, 3, heads=2, edge_dim=4, **kw)
-    res = []
-    for layer in (p, f):
-        ea = torch.zeros(0, 4, dtype=torch.float64, requires_grad=True)
-        out = layer(x, ei[:, :0], ea)
-        out.pow(2).sum().backward()
-        res.append((out, ea.grad, [w.grad for w in layer.parameters()]))
-    torch.testing.assert_close(res[1], res[0])
+    for weights in (None, True):  # (False: a pair from TransformerConv)
+        res = []
+        for layer in (p, f):
+            layer.zero_grad(set_to_none=True)
+            ea = torch.zeros(0, 4, dtype=torch.float64, requires_grad=True)
+            out = layer(x, ei[:, :0], ea, return_attention_weights=weights)
+            out = out[0] if weights else out
+            out.pow(2).sum().backward()
+            res.append((out, ea.grad, [w.grad for w in layer.parameters()]))
+        torch.testing.assert_close(res[1], res[0])
 
 
 @pytest.mark.parametrize('name', list(PAIRS))

@@ -74,7 +74,8 @@ class FastGATConv(FusedAttentionConv, GATConv):
         attention weights are returned; otherwise the fused op computes the
         node terms itself."""
         a_edge = None
-        if edge_attr is not None and self.lin_edge is not None:
+        if (edge_attr is not None and self.lin_edge is not None
+                and graph.num_aug > 0):  # (as _edge_scores)
             a_edge = self.per_edge_cast(self._edge_terms(edge_attr)[0],
                                         x_src.dtype, x_src.device)
         return AdditiveScore(
