@@ -326,6 +326,30 @@ def test_sparse_adjacency_values_as_edge_attr(device, layout, name, loops):
             torch.testing.assert_close(f(x, adj), p(x, adj))
 
 
+@pytest.mark.parametrize('D', [1, 3])
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_sparse_tensor_values_as_edge_attr(name, D):
+    """Without edge_attr, a torch_sparse.SparseTensor's values: [nnz, D] ones
+    are the edge features, [nnz] ones are not, as in PyG's collect (no
+    self-loops: PyG raises beside them)."""
+    import torch_geometric.typing as pyg_typing
+    if not pyg_typing.WITH_TORCH_SPARSE:
+        pytest.skip('torch_sparse is not installed')
+    x, ei = _graph(N=9, E=40)
+    ei = torch.unique(ei, dim=1)
+    shape = (ei.size(1),) if D == 1 else (ei.size(1), D)
+    value = torch.randn(shape, dtype=x.dtype)
+    adj = pyg_typing.SparseTensor(row=ei[1], col=ei[0], value=value,
+                                  sparse_sizes=(9, 9))
+    kw = {} if name == 'transformer' else dict(add_self_loops=False)
+    if name == 'gatv2' and D == 1:  # (no lin_edge: PyG asserts for [nnz, D])
+        kw['edge_dim'] = None
+    else:
+        kw['edge_dim'] = D if D > 1 or name != 'transformer' else None
+    p, f = _pair(name, 5, 3, heads=2, **kw)
+    torch.testing.assert_close(f(x, adj), p(x, adj))
+
+
 def test_three_dim_edge_attr():
     """edge_attr [E, 1, D], which PyG's layers take as [E, D]."""
     x, ei = _graph()

@@ -395,8 +395,8 @@ class FusedAttentionConv(MessagePassing):
                       edge_attr: Optional[Tensor]) -> Optional[Tensor]:
         """``edge_attr``, or where it is None and ``edge_index`` is a sparse
         adjacency, the adjacency's values where PyG's message passing takes
-        them as ``edge_attr``: a torch.sparse tensor's with feature
-        dimensions ([nnz, D]), a ``SparseTensor``'s any; in its nnz order.
+        them as ``edge_attr``: values with feature dimensions ([nnz, D]),
+        of a torch.sparse tensor or a ``SparseTensor``, in its nnz order.
         Call it after :meth:`prepare_graph` (which rejects only a given
         ``edge_attr`` beside self-loops, as PyG)."""
         if edge_attr is not None or not is_sparse_adj(edge_index):
@@ -406,8 +406,9 @@ class FusedAttentionConv(MessagePassing):
                       if edge_index.layout == torch.sparse_coo
                       and not edge_index.is_coalesced()
                       else edge_index.values())
-            return values if values.dim() > 1 else None
-        return edge_index.storage.value()
+        else:
+            values = edge_index.storage.value()
+        return values if values is not None and values.dim() > 1 else None
 
     @staticmethod
     def check_edge_attr(edge_attr: Tensor, graph: PreparedGraph) -> Tensor:
