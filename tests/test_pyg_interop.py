@@ -2,6 +2,7 @@
 explainers and message-passing hooks, lazy initialization, inference mode,
 modules wrapped around ``lin_edge``, EdgeIndex sizes, higher-order
 gradients, retain_graph, and autocast over a half-precision model."""
+import os
 import subprocess
 import sys
 import textwrap
@@ -591,3 +592,116 @@ def test_edge_index_of_another_type_raises_as_pyg(name):
         p(x, ei.tolist())
     with pytest.raises(info.type, match='torch.sparse'):
         f(x, ei.tolist())
+
+
+class _OpNames(torch.utils._python_dispatch.TorchDispatchMode):
+    """The names of the ops dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.name())
+        return func(*args, **(kwargs or {}))
+
+
+# Configurations whose layer returns its fused op's output as it is (the op
+# saves it for the backward), and the op.
+_RETURNS_OP_OUTPUT = [
+    ('gat', {}, 'gat_attention'),
+    ('gat', dict(edge_dim=4), 'gat_attention'),
+    ('gatv2', {}, 'gatv2_attention'),
+    ('gatv2', dict(edge_dim=4, heads=1), 'gatv2_attention'),
+    ('transformer', dict(root_weight=False), 'transformer_attention'),
+    ('transformer', dict(root_weight=False, edge_dim=4),
+     'transformer_attention')]
+
+
+def _in_place(out, how, in_place=True):
+    """The op ``how`` on ``out``, in place or (``in_place=False``) not."""
+    if how == 'relu_':
+        return out.relu_() if in_place else out.relu()
+    if how == 'add_':  # a residual: h = conv(h); h += h_skip
+        skip = torch.linspace(-1, 1, out.numel(), dtype=out.dtype,
+                              device=out.device).view_as(out)
+        return out.add_(skip) if in_place else out + skip
+    return out.mul_(2).relu_() if in_place else out.mul(2).relu()
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('how', ['relu_', 'add_', 'mul_relu_'])
+@pytest.mark.parametrize('name,kw,op', _RETURNS_OP_OUTPUT)
+def test_in_place_op_on_the_output(backend, device, name, kw, op, how):
+    """An in-place op on the layer's output (PyG's layers allow it): PyG's
+    output and gradients, twice through one graph; the backward reruns the
+    forward op only then."""
+    kw = dict(dict(heads=2), **kw)
+    p, f = _pair(name, 5, 3, **kw)
+    x, ei = _graph(device=device)
+    ea = (torch.randn(ei.size(1), 4, dtype=torch.float64, device=device)
+          if 'edge_dim' in kw else None)
+    res = []
+    for layer in (p, f):
+        layer.to(device)
+        xr = x.clone().requires_grad_()
+        out = _in_place(layer(xr, ei, ea), how)
+        loss = out.pow(2).sum()
+        with _OpNames() as seen:
+            loss.backward(retain_graph=True)
+        params = [w for w in layer.parameters() if w.grad is not None]
+        first = [xr.grad.clone()] + [w.grad.clone() for w in params]
+        loss.backward()
+        second = [xr.grad] + [w.grad for w in params]
+        torch.testing.assert_close(second, [2 * g for g in first])
+        res.append((out.detach(), first))
+    torch.testing.assert_close(res[1], res[0])
+    assert f'pyg_fastattn::{op}' in seen.names  # recomputed
+    # the recomputed output is the forward's: bit for bit out of place
+    f.zero_grad()
+    xr = x.clone().requires_grad_()
+    _in_place(f(xr, ei, ea), how, in_place=False).pow(2).sum().backward()
+    params = [w for w in f.parameters() if w.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(
+        [xr.grad] + [w.grad for w in params], res[1][1]))
+
+    # untouched: nothing recomputed, same gradients as before
+    f.zero_grad()
+    xr = x.clone().requires_grad_()
+    out = f(xr, ei, ea)
+    with _OpNames() as seen:
+        out.pow(2).sum().backward()
+    assert f'pyg_fastattn::{op}' not in seen.names
+    assert f'pyg_fastattn::{op}_backward' in seen.names
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_in_place_op_on_attention_output(backend, device):
+    """ops.attention (the base layer's attend, a Python autograd formula):
+    an in-place op on its output gives the gradients of an out-of-place
+    one."""
+    from pyg_fastattn import ops
+    g = torch.Generator().manual_seed(1)
+    rowptr = torch.tensor([0, 3, 3, 4, 8]).to(device)
+    col = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3]).to(device)
+    leaves = [torch.randn(*s, generator=g, dtype=torch.float64).to(device)
+              .requires_grad_() for s in ((4, 2, 3), (4, 2), (4, 2))]
+    grads = []
+    for how in ('out of place', 'in place'):
+        values, a_src, a_dst = leaves
+        out = ops.attention(rowptr, col, values, a_src, a_dst)
+        out = out.relu_() if how == 'in place' else out.relu()
+        grads.append(torch.autograd.grad(out.pow(2).sum(), leaves))
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_in_place_op_on_the_output_without_the_extension():
+    """The same through the Python autograd formulas (no native build)."""
+    env = dict(os.environ, PYG_FASTATTN_BACKEND='reference')
+    r = subprocess.run(
+        [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
+         str(REPO / 'tests' / 'test_pyg_interop.py'), '-k',
+         'in_place_op and cpu and reference'],
+        cwd=str(REPO), env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert ' passed' in r.stdout and 'skipped' not in r.stdout, r.stdout

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/graph_task.h>
 
 #include <array>
 #include <tuple>
@@ -77,6 +78,51 @@ inline void save_attention_state(torch::autograd::AutogradContext* ctx,
   ctx->saved_data["max_row_len"] = max_row_len;
   ctx->saved_data["max_col_len"] = max_col_len;
   ctx->set_materialize_grads(false);
+}
+
+// Tensors being traced (torch.compile, compiled autograd's proxies).
+inline bool is_traced(const at::Tensor& t) {
+  return t.key_set().has_any(c10::DispatchKeySet(
+      {c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
+}
+
+// The attention ops' out, which their backward reads (grad_i . out_i) and the
+// layers often return as it is. A plain tensor is kept in saved_data, out of
+// autograd's version check, so that an in-place op on the layer's output
+// (relu_, +=), which PyG's layers allow, has kept_output recompute it rather
+// than the backward raise. Returns what save_for_backward takes in its place:
+// nothing, or out itself when traced (torch.compile functionalizes in-place
+// ops, and a traced backward is checked as usual).
+inline at::Tensor keep_output(torch::autograd::AutogradContext* ctx,
+                              const at::Tensor& out) {
+  if (is_traced(out)) return out;
+  ctx->saved_data["out"] = out.detach();  // shares out's version counter
+  ctx->saved_data["out_version"] = static_cast<int64_t>(out._version());
+  return at::Tensor();
+}
+
+// In the backward: out as the forward made it. `saved` is keep_output's
+// result after save_for_backward; `recompute` reruns the forward op (its
+// kernels are deterministic, so the bits are the forward's). Under compiled
+// autograd the kept tensor is a proxy whose version says nothing: recomputed.
+template <typename Recompute>
+at::Tensor kept_output(torch::autograd::AutogradContext* ctx,
+                       const at::Tensor& saved, Recompute&& recompute) {
+  if (saved.defined()) return saved;
+  const auto it = ctx->saved_data.find("out");
+  PFA_CHECK(it != ctx->saved_data.end(),
+            "the attention output was already released: call backward "
+            "with retain_graph=True to backward twice");
+  at::Tensor out = it->second.toTensor();
+  const bool proxy = is_traced(out);
+  if (proxy ||
+      out._version() != ctx->saved_data["out_version"].toInt()) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    out = recompute();
+  }
+  if (!proxy && !torch::autograd::get_current_graph_task_keep_graph())
+    ctx->saved_data.erase(it);  // as autograd releases saved variables
+  return out;
 }
 
 // The gradients of a backward as they are under create_graph (grad mode on

@@ -375,7 +375,8 @@ class GATAttentionFunction
     ctx->save_for_backward(
         {rowptr, col, colptr, csc_row, csc_perm, csc_inv, val(x), val(weight),
          weight.has_value() ? h : val(h_src), att_src, val(h_dst), att_dst,
-         a_src, a_dst, val(a_edge), val(mask), val(bias), out, lse});
+         a_src, a_dst, val(a_edge), val(mask), val(bias),
+         keep_output(ctx, out), lse});
     ctx->saved_data["slope"] = slope;
     ctx->saved_data["dst_is_src"] = dst_is_src;
     ctx->saved_data["edge"] = edge;
@@ -389,12 +390,20 @@ class GATAttentionFunction
     torch::autograd::variable_list res(kNumArgs);
     if (!grads[0].defined()) return res;
     const std::array<bool, 8> output_mask = needed_grads<8>(ctx);
+    std::vector<at::Tensor> s = ctx->get_saved_variables();
+    const double slope = ctx->saved_data["slope"].toDouble();
+    const bool dst_is_src = ctx->saved_data["dst_is_src"].toBool();
+    const int64_t max_row = ctx->saved_data["max_row_len"].toInt();
+    const int64_t max_col = ctx->saved_data["max_col_len"].toInt();
+    s[17] = kept_output(ctx, s[17], [&] {
+      auto o = [&](size_t i) { return defined_or_none(s[i]); };
+      const OptTensor h_src = s[7].defined() ? c10::nullopt : o(8);
+      return std::get<0>(call_gat_attention(
+          s[0], s[1], s[2], s[3], s[4], s[5], o(6), o(7), h_src, s[9], o(10),
+          s[11], o(14), o(15), o(16), slope, dst_is_src, max_row, max_col));
+    });
     const auto g = call_gat_attention_backward(
-        grads[0], ctx->get_saved_variables(),
-        ctx->saved_data["slope"].toDouble(),
-        ctx->saved_data["dst_is_src"].toBool(), output_mask,
-        ctx->saved_data["max_row_len"].toInt(),
-        ctx->saved_data["max_col_len"].toInt());
+        grads[0], s, slope, dst_is_src, output_mask, max_row, max_col);
     for (size_t k = 0; k < output_mask.size(); ++k)
       if (output_mask[k] && g[k].sym_numel() != 0) res[kGradArgs[k]] = g[k];
     return res;

@@ -142,7 +142,8 @@ class GATv2AttentionFunction
     auto& [out, lse] = r;
     auto val = value_or_undefined;
     ctx->save_for_backward({rowptr, col, x_l, x_r, val(edge_term), att,
-                            val(mask), val(bias), out, lse, val(colptr),
+                            val(mask), val(bias), keep_output(ctx, out), lse,
+                            val(colptr),
                             val(csc_row), val(csc_perm)});
     ctx->saved_data["slope"] = slope;
     ctx->saved_data["edge"] = edge;
@@ -161,16 +162,24 @@ class GATv2AttentionFunction
                edge_term = v[4], att = v[5], mask = v[6], bias = v[7],
                out = v[8], lse = v[9], colptr = v[10], csc_row = v[11],
                csc_perm = v[12];
+    const double slope = ctx->saved_data["slope"].toDouble();
+    const int64_t max_row = ctx->saved_data["max_row_len"].toInt();
+    const int64_t max_col = ctx->saved_data["max_col_len"].toInt();
+    out = kept_output(ctx, out, [&] {
+      return std::get<0>(call_forward(
+          rowptr, col, x_l, x_r, defined_or_none(edge_term), att,
+          defined_or_none(mask), slope, defined_or_none(bias),
+          defined_or_none(colptr), defined_or_none(csc_row),
+          defined_or_none(csc_perm), max_row, max_col));
+    });
     if (!colptr.defined())
       std::tie(colptr, csc_row, csc_perm) =
           build_csc(rowptr, col, x_l.sym_size(0));
     const at::Tensor grad_out = grads[0].contiguous();
     auto [g_l, g_r, g_e, g_att] = call_backward(
         rowptr, col, colptr, csc_row, csc_perm, x_l, x_r,
-        defined_or_none(edge_term), att, defined_or_none(mask),
-        ctx->saved_data["slope"].toDouble(), defined_or_none(bias), out, lse,
-        grad_out, need[2], ctx->saved_data["max_row_len"].toInt(),
-        ctx->saved_data["max_col_len"].toInt());
+        defined_or_none(edge_term), att, defined_or_none(mask), slope,
+        defined_or_none(bias), out, lse, grad_out, need[2], max_row, max_col);
     at::Tensor g_bias;
     if (need[4]) {  // the column sum (the op: it has a fake for tracing)
       static auto column_sum_op =

@@ -3,7 +3,6 @@
 // Schema, fakes and a Python twin of the autograd formula (for builds
 // without this extension) live in pyg_fastattn/ops/transformer.py.
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include "../common.h"
@@ -118,10 +117,8 @@ const void* storage_of(const at::Tensor& t) {
 bool may_overwrite(const at::Tensor& query, const at::Tensor& key,
                    const at::Tensor& value, const at::Tensor& edge_term,
                    const at::Tensor& out, const at::Tensor& grad_out) {
-  const c10::DispatchKeySet traced({c10::DispatchKey::Python,
-                                    c10::DispatchKey::Functionalize});
   for (const at::Tensor* t : {&out, &key, &value}) {
-    if (t->key_set().has_any(traced) || !t->is_contiguous() ||
+    if (is_traced(*t) || !t->is_contiguous() ||
         t->scalar_type() != key.scalar_type())
       return false;
   }
@@ -161,8 +158,8 @@ class TransformerAttentionFunction
     auto& [out, lse] = r;
     auto val = value_or_undefined;
     ctx->save_for_backward({rowptr, col, query, key, value, val(edge_term),
-                            val(mask), out, lse, val(colptr), val(csc_row),
-                            val(csc_perm)});
+                            val(mask), keep_output(ctx, out), lse,
+                            val(colptr), val(csc_row), val(csc_perm)});
     // needs_input_grad counts the tensors passed: edge_term's index is 5
     // after rowptr, col, query, key and value.
     ctx->saved_data["scale"] = scale;
@@ -182,21 +179,29 @@ class TransformerAttentionFunction
                lse = v[8], colptr = v[9], csc_row = v[10], csc_perm = v[11];
     const bool has_edge = edge_term.defined();
     const bool need_edge = has_edge && ctx->needs_input_grad(5);
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const int64_t max_row = ctx->saved_data["max_row_len"].toInt();
+    const int64_t max_col = ctx->saved_data["max_col_len"].toInt();
+    const bool in_place = ctx->saved_data["in_place"].toBool();
+    out = kept_output(ctx, out, [&] {
+      return std::get<0>(call_forward(
+          rowptr, col, query, key, value, defined_or_none(edge_term),
+          defined_or_none(mask), scale, defined_or_none(colptr),
+          defined_or_none(csc_row), defined_or_none(csc_perm), max_row,
+          max_col, in_place));
+    });
     if (!colptr.defined())
       std::tie(colptr, csc_row, csc_perm) =
           build_csc(rowptr, col, key.sym_size(0));
     const at::Tensor grad_out = grads[0].contiguous();
     const OptTensor e = defined_or_none(edge_term), m = defined_or_none(mask);
-    const double scale = ctx->saved_data["scale"].toDouble();
-    const int64_t max_row = ctx->saved_data["max_row_len"].toInt();
-    const int64_t max_col = ctx->saved_data["max_col_len"].toInt();
     std::vector<at::Tensor> s = {rowptr, col, colptr, csc_row, csc_perm,
                                  query,  key, value,  out,     lse};
     at::Tensor g_q, g_k, g_v, g_e;
     // In place only when autograd frees the graph after this backward
     // (no retain_graph or create_graph): nothing can read out, key and
     // value again.
-    if (ctx->saved_data["in_place"].toBool() &&
+    if (in_place &&
         !torch::autograd::get_current_graph_task_keep_graph() &&
         may_overwrite(query, key, value, edge_term, out, grad_out)) {
       g_e = call_backward_(s, e, m, scale, grad_out, need_edge, max_row,

@@ -87,6 +87,47 @@ def _install_python_autocast(name: str) -> None:
                   with_keyset=True)
 
 
+def keep_graph() -> bool:
+    """Whether the running backward keeps the graph (retain_graph or
+    create_graph; True where torch cannot tell)."""
+    f = getattr(torch._C._autograd, '_get_current_graph_task_keep_graph',
+                None)
+    return True if f is None else bool(f())
+
+
+def keep_output(ctx, out: Tensor) -> Optional[Tensor]:
+    """The attention ops' ``out``, which their backward reads and the layers
+    often return as it is. A plain tensor is kept on ``ctx``, out of
+    autograd's version check, so that an in-place op on the layer's output
+    (``relu_``, ``+=``), which PyG's layers allow, has :func:`kept_output`
+    recompute it rather than the backward raise. Returns what
+    ``save_for_backward`` takes in its place: None, or ``out`` itself when
+    traced (torch.compile functionalizes in-place ops)."""
+    if type(out) is not Tensor:
+        return out
+    ctx.kept_out, ctx.kept_version = out.detach(), out._version
+    return None
+
+
+def kept_output(ctx, saved: Optional[Tensor],
+                recompute: Callable[[], Tensor]) -> Tensor:
+    """In the backward: ``out`` as the forward made it (``saved``, else the
+    kept one, recomputed by ``recompute()``, the forward op again, when it
+    changed in place since)."""
+    if saved is not None:
+        return saved
+    out = ctx.kept_out
+    if out is None:
+        raise RuntimeError('the attention output was already released: call '
+                           'backward with retain_graph=True to backward twice')
+    if type(out) is not Tensor or out._version != ctx.kept_version:
+        with torch.no_grad():
+            out = recompute()
+    if not keep_graph():
+        ctx.kept_out = None  # as autograd releases saved tensors
+    return out
+
+
 class _NoSecondDerivative(torch.autograd.Function):
     """The gradients of a backward as they are under ``create_graph``: the
     same tensors, with a ``grad_fn`` that raises. Its graph inputs are the
@@ -143,7 +184,10 @@ def _register_autograd(name: str, backward: Callable,
 
     def forward(ctx, *args):
         keyset = args[-1]
-        with torch._C._AutoDispatchBelowAutograd():
+        # below view tracking too, as C++ autograd kernels call their ops: an
+        # output that a kernel made as a view of its own buffer stays a plain
+        # tensor, which in-place ops on the layer output may modify
+        with torch._C._AutoDispatchBelowADInplaceOrView():
             out = overload.redispatch(keyset & after_autograd, *args[:-1])
         setup_context(ctx, args[:-1], out)
         return out

@@ -73,7 +73,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(rowptr, col, colptr, csc_row, csc_perm, csc_inv, x,
                           weight, h if weight is not None else h_src, att_src,
                           h_dst, att_dst, a_src, a_dst, a_edge, mask, bias,
-                          out, lse)
+                          _lib.keep_output(ctx, out), lse)
     ctx.negative_slope, ctx.dst_is_src = slope, dst_is_src
     ctx.lengths = lengths
     ctx.mark_non_differentiable(lse, h, a_src, a_dst)
@@ -86,9 +86,13 @@ def _backward(ctx, grad_out, _lse, _h, _a_src, _a_dst):
     need = ctx.needs_input_grad
     output_mask = [need[6], need[7], need[8], need[9], need[10], need[11],
                    need[12], need[14]]
+    s = list(ctx.saved_tensors)
+    slope, dst_is_src = ctx.negative_slope, ctx.dst_is_src
+    s[17] = _lib.kept_output(ctx, s[17], lambda: _lib.op('gat_attention')(
+        *s[:8], None if s[7] is not None else s[8], s[9], s[10], s[11],
+        *s[14:17], slope, dst_is_src, *ctx.lengths)[0])
     grads = _lib.op('gat_attention_backward')(
-        grad_out, *ctx.saved_tensors, ctx.negative_slope, ctx.dst_is_src,
-        output_mask, *ctx.lengths)
+        grad_out, *s, slope, dst_is_src, output_mask, *ctx.lengths)
     # empty: not needed, or the input takes no part (att_dst without h_dst)
     g = [t if want and t.numel() > 0 else None
          for t, want in zip(grads, output_mask)]

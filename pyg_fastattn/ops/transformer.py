@@ -99,7 +99,8 @@ def _setup_context(ctx, inputs, output):
      csc_perm, max_row_len, max_col_len, grads_in_place) = inputs
     out, lse = output
     ctx.save_for_backward(rowptr, col, query, key, value, edge_term, mask,
-                          out, lse, colptr, csc_row, csc_perm)
+                          _lib.keep_output(ctx, out), lse, colptr, csc_row,
+                          csc_perm)
     ctx.scale = scale
     ctx.lengths = (max_row_len, max_col_len)
     ctx.in_place = grads_in_place
@@ -125,14 +126,6 @@ def _may_overwrite(query, key, value, edge_term, out, grad_out) -> bool:
     return len(set(own)) == 3 and not set(own) & set(other)
 
 
-def _keep_graph() -> bool:
-    """Whether the running backward keeps the graph (retain_graph or
-    create_graph; True where torch cannot tell)."""
-    f = getattr(torch._C._autograd, '_get_current_graph_task_keep_graph',
-                None)
-    return True if f is None else bool(f())
-
-
 def _backward(ctx, grad_out, _grad_lse):
     if grad_out is None:
         return (None, ) * 14
@@ -140,13 +133,16 @@ def _backward(ctx, grad_out, _grad_lse):
      *csc) = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_edge = bool(need[5]) and edge_term is not None
+    out = _lib.kept_output(ctx, out, lambda: _lib.op('transformer_attention')(
+        rowptr, col, query, key, value, edge_term, mask, ctx.scale, *csc,
+        *ctx.lengths, ctx.in_place)[0])
     csc = maybe_csc(list(csc) + [None], rowptr, col, key.size(0))
     grad_out = grad_out.contiguous()
     args = (rowptr, col, csc.colptr, csc.row, csc.perm, query, key, value,
             edge_term, mask, ctx.scale, out, lse, grad_out, need_edge,
             *ctx.lengths)
     # in place only when autograd frees the graph after this backward
-    if (ctx.in_place and not _keep_graph()
+    if (ctx.in_place and not _lib.keep_graph()
             and _may_overwrite(query, key, value, edge_term, out, grad_out)):
         g_e = _lib.op('transformer_attention_backward_')(*args)
         for t in (out, key, value):  # other saved views of them now fail
