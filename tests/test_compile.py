@@ -360,18 +360,23 @@ def test_export_dynamic_sizes():
             torch.testing.assert_close(ep.module()(x2, ei2), model(x2, ei2))
 
 
-def test_compiled_autograd_after_eager_forward():
+@pytest.mark.parametrize('in_place', [False, True])
+def test_compiled_autograd_after_eager_forward(in_place):
     """A backward compiled with compiled autograd, after an eager forward
     (the C++ autograd nodes mark no output non-differentiable: compiled
-    autograd rejects those)."""
+    autograd rejects those); also after an in-place op on an attention
+    output."""
     import torch._dynamo.config as dynamo_config
     torch._dynamo.reset()
     torch.manual_seed(0)
     x, ei, ea = _graph('cpu')
     model = Net().eval()
-    loss = model(x, ei, ea).pow(2).sum()
+    out = model(x, ei, ea)
+    if in_place:  # on the output of the fused op itself
+        out = model.conv1(x, ei, ea).relu_()
+    loss = out.pow(2).sum()
     want = torch.autograd.grad(loss, list(model.parameters()),
-                               retain_graph=True)
+                               retain_graph=True, allow_unused=True)
     dynamo_config.compiled_autograd = True
     try:
         torch.compile(lambda l: l.backward())(loss)
@@ -380,6 +385,55 @@ def test_compiled_autograd_after_eager_forward():
         torch._dynamo.reset()
     for p, w in zip(model.parameters(), want):
         torch.testing.assert_close(p.grad, w)
+
+
+class _InPlace(torch.nn.Module):
+    """Two layers with in-place ops on their outputs: a ReLU and a
+    residual."""
+
+    def __init__(self, conv, **kw):
+        super().__init__()
+        self.c1, self.c2 = conv(12, 4, heads=2, **kw), conv(8, 4, heads=2, **kw)
+
+    def forward(self, x, edge_index):
+        h = self.c1(x, edge_index)
+        h.relu_()
+        out = self.c2(h, edge_index)
+        out += h
+        return out
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('name,compiler', [('gat', 'inductor'),
+                                           ('gatv2', 'aot_eager'),
+                                           ('transformer', 'aot_eager')])
+def test_compiled_in_place_ops_on_outputs(device, name, compiler):
+    """In-place ops on outputs that the fused ops keep for their backward
+    (PyG's layers allow them): compiled training equals eager and PyG's."""
+    from torch_geometric.nn import GATConv, GATv2Conv, TransformerConv
+    pairs = {'gat': (GATConv, FastGATConv, {}),
+             'gatv2': (GATv2Conv, FastGATv2Conv, {}),
+             'transformer': (TransformerConv, FastTransformerConv,
+                             dict(root_weight=False))}
+    P, Fc, kw = pairs[name]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x, ei, _ = _graph(device)
+    pyg = _InPlace(P, **kw).to(device)
+    ours = _InPlace(Fc, **kw).to(device)
+    ours.load_state_dict(pyg.state_dict())
+    compiled = torch.compile(ours, backend=compiler, fullgraph=True)
+    res = []
+    for m in (pyg, ours, compiled):
+        pyg.zero_grad(set_to_none=True)
+        ours.zero_grad(set_to_none=True)
+        out = m(x, ei)
+        out.pow(2).sum().backward()
+        params = pyg if m is pyg else ours
+        res.append((out.detach(), [p.grad for p in params.parameters()]))
+    torch.testing.assert_close(res[1], res[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(res[2], res[1], atol=1e-5, rtol=1e-4)
+    torch._dynamo.reset()
 
 
 # autocast ###################################################################

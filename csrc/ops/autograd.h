@@ -87,36 +87,35 @@ inline bool is_traced(const at::Tensor& t) {
 }
 
 // The attention ops' out, which their backward reads (grad_i . out_i) and the
-// layers often return as it is. A plain tensor is kept in saved_data, out of
-// autograd's version check, so that an in-place op on the layer's output
-// (relu_, +=), which PyG's layers allow, has kept_output recompute it rather
-// than the backward raise. Returns what save_for_backward takes in its place:
-// nothing, or out itself when traced (torch.compile functionalizes in-place
-// ops, and a traced backward is checked as usual).
-inline at::Tensor keep_output(torch::autograd::AutogradContext* ctx,
-                              const at::Tensor& out) {
-  if (is_traced(out)) return out;
+// layers often return as it is: kept in saved_data instead of
+// save_for_backward, out of autograd's version check, so that an in-place op
+// on the layer's output (relu_, +=), which PyG's layers allow, makes
+// kept_output recompute it rather than the backward raise. (A torch.compile
+// trace sees the in-place op above functionalization, so traced tensors
+// take the same route.)
+inline void keep_output(torch::autograd::AutogradContext* ctx,
+                        const at::Tensor& out) {
   ctx->saved_data["out"] = out.detach();  // shares out's version counter
   ctx->saved_data["out_version"] = static_cast<int64_t>(out._version());
-  return at::Tensor();
+  ctx->saved_data["out_traced"] = is_traced(out);
 }
 
-// In the backward: out as the forward made it. `saved` is keep_output's
-// result after save_for_backward; `recompute` reruns the forward op (its
-// kernels are deterministic, so the bits are the forward's). Under compiled
-// autograd the kept tensor is a proxy whose version says nothing: recomputed.
+// In the backward: out as the forward made it, recomputed by `recompute`
+// (the forward op again; its kernels are deterministic, so the bits are the
+// forward's) when it changed in place since. A tensor traced here but not in
+// the forward is compiled autograd's proxy, whose version says nothing:
+// recomputed too.
 template <typename Recompute>
 at::Tensor kept_output(torch::autograd::AutogradContext* ctx,
-                       const at::Tensor& saved, Recompute&& recompute) {
-  if (saved.defined()) return saved;
+                       Recompute&& recompute) {
   const auto it = ctx->saved_data.find("out");
   PFA_CHECK(it != ctx->saved_data.end(),
             "the attention output was already released: call backward "
             "with retain_graph=True to backward twice");
   at::Tensor out = it->second.toTensor();
-  const bool proxy = is_traced(out);
-  if (proxy ||
-      out._version() != ctx->saved_data["out_version"].toInt()) {
+  const bool proxy =
+      is_traced(out) && !ctx->saved_data["out_traced"].toBool();
+  if (proxy || out._version() != ctx->saved_data["out_version"].toInt()) {
     at::AutoDispatchBelowADInplaceOrView guard;
     out = recompute();
   }

@@ -95,35 +95,32 @@ def keep_graph() -> bool:
     return True if f is None else bool(f())
 
 
-def keep_output(ctx, out: Tensor) -> Optional[Tensor]:
-    """The attention ops' ``out``, which their backward reads and the layers
-    often return as it is. A plain tensor is kept on ``ctx``, out of
+def keep_output(ctx, out: Tensor) -> None:
+    """Keep the attention ops' ``out``, which their backward reads and the
+    layers often return as it is, on ``ctx`` instead of saving it: out of
     autograd's version check, so that an in-place op on the layer's output
-    (``relu_``, ``+=``), which PyG's layers allow, has :func:`kept_output`
-    recompute it rather than the backward raise. Returns what
-    ``save_for_backward`` takes in its place: None, or ``out`` itself when
-    traced (torch.compile functionalizes in-place ops)."""
-    if type(out) is not Tensor:
-        return out
+    (``relu_``, ``+=``), which PyG's layers allow, makes :func:`kept_output`
+    recompute it rather than the backward raise. (A torch.compile trace
+    sees the in-place op above functionalization, so traced tensors take
+    the same route.)"""
     ctx.kept_out, ctx.kept_version = out.detach(), out._version
-    return None
+    ctx.kept_traced = type(out) is not Tensor
 
 
-def kept_output(ctx, saved: Optional[Tensor],
-                recompute: Callable[[], Tensor]) -> Tensor:
-    """In the backward: ``out`` as the forward made it (``saved``, else the
-    kept one, recomputed by ``recompute()``, the forward op again, when it
-    changed in place since)."""
-    if saved is not None:
-        return saved
+def kept_output(ctx, recompute: Callable[[], Tensor]) -> Tensor:
+    """In the backward: ``out`` as the forward made it, recomputed by
+    ``recompute()`` (the forward op again) when it changed in place since;
+    a tensor traced here but not in the forward (compiled autograd's proxy,
+    whose version says nothing) too."""
     out = ctx.kept_out
     if out is None:
         raise RuntimeError('the attention output was already released: call '
                            'backward with retain_graph=True to backward twice')
-    if type(out) is not Tensor or out._version != ctx.kept_version:
+    proxy = type(out) is not Tensor and not ctx.kept_traced
+    if proxy or out._version != ctx.kept_version:
         with torch.no_grad():
             out = recompute()
-    if not keep_graph():
+    if not proxy and not keep_graph():
         ctx.kept_out = None  # as autograd releases saved tensors
     return out
 
