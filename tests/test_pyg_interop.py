@@ -705,3 +705,30 @@ def test_in_place_op_on_the_output_without_the_extension():
         cwd=str(REPO), env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert ' passed' in r.stdout and 'skipped' not in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize('name,kw,op', _RETURNS_OP_OUTPUT[::2])
+def test_saved_tensor_hooks_see_the_output(backend, name, kw, op):
+    """Under saved-tensor hooks (activation checkpointing, save_on_cpu) the
+    fused op's output is saved through them like every saved activation;
+    checkpointed layers give PyG's gradients."""
+    p, f = _pair(name, 5, 3, heads=2, **kw)
+    x, ei = _graph()
+    packed = []
+
+    def pack(t):
+        packed.append(t.data_ptr())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = f(x.clone().requires_grad_(), ei)
+    assert out.data_ptr() in packed
+    res = []
+    for layer in (p, f):
+        xr = x.clone().requires_grad_()
+        out = torch.utils.checkpoint.checkpoint(layer, xr, ei,
+                                                use_reentrant=False)
+        out.pow(2).sum().backward()
+        res.append((out.detach(), xr.grad,
+                    [w.grad for w in layer.parameters()]))
+    torch.testing.assert_close(res[1], res[0])

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/SavedTensorHooks.h>
 #include <torch/autograd.h>
 #include <torch/csrc/autograd/graph_task.h>
 
@@ -92,22 +93,27 @@ inline bool is_traced(const at::Tensor& t) {
 // on the layer's output (relu_, +=), which PyG's layers allow, makes
 // kept_output recompute it rather than the backward raise. (A torch.compile
 // trace sees the in-place op above functionalization, so traced tensors
-// take the same route.)
-inline void keep_output(torch::autograd::AutogradContext* ctx,
-                        const at::Tensor& out) {
+// take the same route.) Under saved-tensor hooks (activation checkpointing,
+// save_on_cpu), which must see every saved activation, out is saved as
+// usual. Returns what save_for_backward takes in out's place.
+inline at::Tensor keep_output(torch::autograd::AutogradContext* ctx,
+                              const at::Tensor& out) {
+  if (at::SavedTensorDefaultHooks::get_hooks().has_value()) return out;
   ctx->saved_data["out"] = out.detach();  // shares out's version counter
   ctx->saved_data["out_version"] = static_cast<int64_t>(out._version());
   ctx->saved_data["out_traced"] = is_traced(out);
+  return at::Tensor();
 }
 
-// In the backward: out as the forward made it, recomputed by `recompute`
-// (the forward op again; its kernels are deterministic, so the bits are the
-// forward's) when it changed in place since. A tensor traced here but not in
-// the forward is compiled autograd's proxy, whose version says nothing:
-// recomputed too.
+// In the backward: out as the forward made it (`saved`: keep_output's result
+// as saved), recomputed by `recompute` (the forward op again; its kernels are
+// deterministic, so the bits are the forward's) when it changed in place
+// since. A tensor traced here but not in the forward is compiled autograd's
+// proxy, whose version says nothing: recomputed too.
 template <typename Recompute>
 at::Tensor kept_output(torch::autograd::AutogradContext* ctx,
-                       Recompute&& recompute) {
+                       const at::Tensor& saved, Recompute&& recompute) {
+  if (saved.defined()) return saved;
   const auto it = ctx->saved_data.find("out");
   PFA_CHECK(it != ctx->saved_data.end(),
             "the attention output was already released: call backward "

@@ -376,8 +376,7 @@ class GATAttentionFunction
         {rowptr, col, colptr, csc_row, csc_perm, csc_inv, val(x), val(weight),
          weight.has_value() ? h : val(h_src), att_src, val(h_dst), att_dst,
          a_src, a_dst, val(a_edge), val(mask), val(bias),
-         at::Tensor() /* out: keep_output */, lse});
-    keep_output(ctx, out);
+         keep_output(ctx, out), lse});
     ctx->saved_data["slope"] = slope;
     ctx->saved_data["dst_is_src"] = dst_is_src;
     ctx->saved_data["edge"] = edge;
@@ -396,7 +395,7 @@ class GATAttentionFunction
     const bool dst_is_src = ctx->saved_data["dst_is_src"].toBool();
     const int64_t max_row = ctx->saved_data["max_row_len"].toInt();
     const int64_t max_col = ctx->saved_data["max_col_len"].toInt();
-    s[17] = kept_output(ctx, [&] {
+    s[17] = kept_output(ctx, s[17], [&] {
       auto o = [&](size_t i) { return defined_or_none(s[i]); };
       const OptTensor h_src = s[7].defined() ? c10::nullopt : o(8);
       return std::get<0>(call_gat_attention(

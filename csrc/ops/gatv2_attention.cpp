@@ -142,9 +142,8 @@ class GATv2AttentionFunction
     auto& [out, lse] = r;
     auto val = value_or_undefined;
     ctx->save_for_backward({rowptr, col, x_l, x_r, val(edge_term), att,
-                            val(mask), val(bias), at::Tensor() /* out: keep_output */,
-                            lse, val(colptr), val(csc_row), val(csc_perm)});
-    keep_output(ctx, out);
+                            val(mask), val(bias), keep_output(ctx, out), lse,
+                            val(colptr), val(csc_row), val(csc_perm)});
     ctx->saved_data["slope"] = slope;
     ctx->saved_data["edge"] = edge;
     save_attention_state(ctx, max_row_len, max_col_len);
@@ -165,7 +164,7 @@ class GATv2AttentionFunction
     const double slope = ctx->saved_data["slope"].toDouble();
     const int64_t max_row = ctx->saved_data["max_row_len"].toInt();
     const int64_t max_col = ctx->saved_data["max_col_len"].toInt();
-    out = kept_output(ctx, [&] {
+    out = kept_output(ctx, out, [&] {
       return std::get<0>(call_forward(
           rowptr, col, x_l, x_r, defined_or_none(edge_term), att,
           defined_or_none(mask), slope, defined_or_none(bias),

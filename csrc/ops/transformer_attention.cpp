@@ -158,9 +158,8 @@ class TransformerAttentionFunction
     auto& [out, lse] = r;
     auto val = value_or_undefined;
     ctx->save_for_backward({rowptr, col, query, key, value, val(edge_term),
-                            val(mask), at::Tensor() /* out: keep_output */,
-                            lse, val(colptr), val(csc_row), val(csc_perm)});
-    keep_output(ctx, out);
+                            val(mask), keep_output(ctx, out), lse,
+                            val(colptr), val(csc_row), val(csc_perm)});
     // needs_input_grad counts the tensors passed: edge_term's index is 5
     // after rowptr, col, query, key and value.
     ctx->saved_data["scale"] = scale;
@@ -184,7 +183,7 @@ class TransformerAttentionFunction
     const int64_t max_row = ctx->saved_data["max_row_len"].toInt();
     const int64_t max_col = ctx->saved_data["max_col_len"].toInt();
     const bool in_place = ctx->saved_data["in_place"].toBool();
-    out = kept_output(ctx, [&] {
+    out = kept_output(ctx, out, [&] {
       return std::get<0>(call_forward(
           rowptr, col, query, key, value, defined_or_none(edge_term),
           defined_or_none(mask), scale, defined_or_none(colptr),

@@ -95,23 +95,42 @@ def keep_graph() -> bool:
     return True if f is None else bool(f())
 
 
-def keep_output(ctx, out: Tensor) -> None:
+def _saved_tensor_hooks() -> bool:
+    """Whether saved-tensor hooks are active (activation checkpointing,
+    ``save_on_cpu``)."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks
+    try:
+        return top(False) is not None
+    except TypeError:  # torch without the ignore_is_tracing argument
+        return top() is not None
+
+
+def keep_output(ctx, out: Tensor) -> Optional[Tensor]:
     """Keep the attention ops' ``out``, which their backward reads and the
     layers often return as it is, on ``ctx`` instead of saving it: out of
     autograd's version check, so that an in-place op on the layer's output
     (``relu_``, ``+=``), which PyG's layers allow, makes :func:`kept_output`
     recompute it rather than the backward raise. (A torch.compile trace
     sees the in-place op above functionalization, so traced tensors take
-    the same route.)"""
+    the same route.) Under saved-tensor hooks, which must see every saved
+    activation, ``out`` is saved as usual. Returns what
+    ``save_for_backward`` takes in its place."""
+    if _saved_tensor_hooks():
+        return out
     ctx.kept_out, ctx.kept_version = out.detach(), out._version
     ctx.kept_traced = type(out) is not Tensor
+    return None
 
 
-def kept_output(ctx, recompute: Callable[[], Tensor]) -> Tensor:
-    """In the backward: ``out`` as the forward made it, recomputed by
-    ``recompute()`` (the forward op again) when it changed in place since;
-    a tensor traced here but not in the forward (compiled autograd's proxy,
-    whose version says nothing) too."""
+def kept_output(ctx, saved: Optional[Tensor],
+                recompute: Callable[[], Tensor]) -> Tensor:
+    """In the backward: ``out`` as the forward made it (``saved``:
+    :func:`keep_output`'s result as saved), recomputed by ``recompute()``
+    (the forward op again) when it changed in place since; a tensor traced
+    here but not in the forward (compiled autograd's proxy, whose version
+    says nothing) too."""
+    if saved is not None:
+        return saved
     out = ctx.kept_out
     if out is None:
         raise RuntimeError('the attention output was already released: call '

@@ -68,8 +68,7 @@ def _setup_context(ctx, inputs, output):
     (rowptr, col, a_src, a_dst, a_edge, mask, values, slope, bias, *csc) = inputs
     out, lse = output
     ctx.save_for_backward(rowptr, col, a_src, a_dst, a_edge, mask, values,
-                          bias, None, lse, *csc)
-    _lib.keep_output(ctx, out)
+                          bias, _lib.keep_output(ctx, out), lse, *csc)
     ctx.negative_slope = slope
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zeros for lse's gradient
@@ -82,7 +81,7 @@ def _backward(ctx, grad_out, _grad_lse):
      *csc) = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_edge = need[4]
-    out = _lib.kept_output(ctx, lambda: _lib.op('attention')(
+    out = _lib.kept_output(ctx, out, lambda: _lib.op('attention')(
         rowptr, col, a_src, a_dst, a_edge, mask, values, ctx.negative_slope,
         bias, *csc)[0])
     csc = maybe_csc(csc, rowptr, col, values.size(0))

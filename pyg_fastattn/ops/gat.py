@@ -73,8 +73,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(rowptr, col, colptr, csc_row, csc_perm, csc_inv, x,
                           weight, h if weight is not None else h_src, att_src,
                           h_dst, att_dst, a_src, a_dst, a_edge, mask, bias,
-                          None, lse)
-    _lib.keep_output(ctx, out)
+                          _lib.keep_output(ctx, out), lse)
     ctx.negative_slope, ctx.dst_is_src = slope, dst_is_src
     ctx.lengths = lengths
     ctx.mark_non_differentiable(lse, h, a_src, a_dst)
@@ -89,7 +88,7 @@ def _backward(ctx, grad_out, _lse, _h, _a_src, _a_dst):
                    need[12], need[14]]
     s = list(ctx.saved_tensors)
     slope, dst_is_src = ctx.negative_slope, ctx.dst_is_src
-    s[17] = _lib.kept_output(ctx, lambda: _lib.op('gat_attention')(
+    s[17] = _lib.kept_output(ctx, s[17], lambda: _lib.op('gat_attention')(
         *s[:8], None if s[7] is not None else s[8], s[9], s[10], s[11],
         *s[14:17], slope, dst_is_src, *ctx.lengths)[0])
     grads = _lib.op('gat_attention_backward')(

@@ -77,9 +77,8 @@ def _setup_context(ctx, inputs, output):
      csc_row, csc_perm, *lengths) = inputs
     out, lse = output
     ctx.save_for_backward(rowptr, col, x_l, x_r, edge_term, att, mask, bias,
-                          None, lse, colptr, csc_row,
+                          _lib.keep_output(ctx, out), lse, colptr, csc_row,
                           csc_perm)
-    _lib.keep_output(ctx, out)
     ctx.negative_slope = slope
     ctx.lengths = lengths
     ctx.mark_non_differentiable(lse)
@@ -93,7 +92,7 @@ def _backward(ctx, grad_out, _grad_lse):
      *csc) = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_edge = bool(need[4]) and edge_term is not None
-    out = _lib.kept_output(ctx, lambda: _lib.op('gatv2_attention')(
+    out = _lib.kept_output(ctx, out, lambda: _lib.op('gatv2_attention')(
         rowptr, col, x_l, x_r, edge_term, att, mask, ctx.negative_slope, bias,
         *csc, *ctx.lengths)[0])
     csc = maybe_csc(list(csc) + [None], rowptr, col, x_l.size(0))

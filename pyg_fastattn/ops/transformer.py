@@ -99,9 +99,8 @@ def _setup_context(ctx, inputs, output):
      csc_perm, max_row_len, max_col_len, grads_in_place) = inputs
     out, lse = output
     ctx.save_for_backward(rowptr, col, query, key, value, edge_term, mask,
-                          None, lse, colptr, csc_row,
+                          _lib.keep_output(ctx, out), lse, colptr, csc_row,
                           csc_perm)
-    _lib.keep_output(ctx, out)
     ctx.scale = scale
     ctx.lengths = (max_row_len, max_col_len)
     ctx.in_place = grads_in_place
@@ -134,7 +133,7 @@ def _backward(ctx, grad_out, _grad_lse):
      *csc) = ctx.saved_tensors
     need = ctx.needs_input_grad
     need_edge = bool(need[5]) and edge_term is not None
-    out = _lib.kept_output(ctx, lambda: _lib.op('transformer_attention')(
+    out = _lib.kept_output(ctx, out, lambda: _lib.op('transformer_attention')(
         rowptr, col, query, key, value, edge_term, mask, ctx.scale, *csc,
         *ctx.lengths, ctx.in_place)[0])
     csc = maybe_csc(list(csc) + [None], rowptr, col, key.size(0))
