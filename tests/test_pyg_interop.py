@@ -657,15 +657,7 @@ def test_in_place_op_on_the_output(backend, device, name, kw, op, how):
         res.append((out.detach(), first))
     torch.testing.assert_close(res[1], res[0])
     assert f'pyg_fastattn::{op}' in seen.names  # recomputed
-    # the recomputed output is the forward's: bit for bit out of place
-    f.zero_grad()
-    xr = x.clone().requires_grad_()
-    _in_place(f(xr, ei, ea), how, in_place=False).pow(2).sum().backward()
-    params = [w for w in f.parameters() if w.grad is not None]
-    assert all(torch.equal(a, b) for a, b in zip(
-        [xr.grad] + [w.grad for w in params], res[1][1]))
-
-    # untouched: nothing recomputed, same gradients as before
+    # untouched: nothing recomputed, its backward only
     f.zero_grad()
     xr = x.clone().requires_grad_()
     out = f(xr, ei, ea)
@@ -673,6 +665,18 @@ def test_in_place_op_on_the_output(backend, device, name, kw, op, how):
         out.pow(2).sum().backward()
     assert f'pyg_fastattn::{op}' not in seen.names
     assert f'pyg_fastattn::{op}_backward' in seen.names
+
+    # the recomputed output is the forward's: bit for bit out of place
+    # (where the kernels are deterministic: not the reference's index_add
+    # atomics on CUDA)
+    if backend == 'reference' and device == 'cuda':
+        return
+    f.zero_grad()
+    xr = x.clone().requires_grad_()
+    _in_place(f(xr, ei, ea), how, in_place=False).pow(2).sum().backward()
+    params = [w for w in f.parameters() if w.grad is not None]
+    assert all(torch.equal(a, b) for a, b in zip(
+        [xr.grad] + [w.grad for w in params], res[1][1]))
 
 
 @pytest.mark.parametrize('device', DEVICES)
