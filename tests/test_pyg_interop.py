@@ -736,3 +736,21 @@ def test_saved_tensor_hooks_see_the_output(backend, name, kw, op):
         res.append((out.detach(), xr.grad,
                     [w.grad for w in layer.parameters()]))
     torch.testing.assert_close(res[1], res[0])
+
+
+@pytest.mark.parametrize('size', [(10, None), (None, 10), (None, None)])
+def test_gat_size_with_none_and_self_loops(size):
+    """GATConv with self-loops takes min(size) as its node count: a size
+    with a None raises PyG's TypeError; without self-loops both run."""
+    x, ei = _graph()
+    for loops in (True, False):
+        p, f = _pair('gat', 5, 3, heads=2, add_self_loops=loops)
+        try:
+            ref = p(x, ei, size=size)
+        except Exception as e:
+            assert loops
+            with pytest.raises(type(e), match='not supported'):
+                f(x, ei, size=size)
+        else:
+            assert not loops
+            torch.testing.assert_close(f(x, ei, size=size), ref)
