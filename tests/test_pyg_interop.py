@@ -754,3 +754,40 @@ def test_gat_size_with_none_and_self_loops(size):
         else:
             assert not loops
             torch.testing.assert_close(f(x, ei, size=size), ref)
+
+
+def _func_grad_params(layer, x, ei):
+    from torch.func import functional_call, grad
+    params = {n: p.detach() for n, p in layer.named_parameters()}
+    return grad(lambda ps: functional_call(layer, ps, (x, ei)).pow(2).sum())(
+        params)
+
+
+def _func_jvp_x(layer, x, ei):
+    from torch.func import jvp
+    return jvp(lambda xx: layer(xx, ei), (x, ), (torch.ones_like(x), ))[1]
+
+
+def _vmap_grad_x(layer, x, ei):
+    from torch.func import grad, vmap
+    return vmap(grad(lambda xx: layer(xx, ei).pow(2).sum()))(
+        torch.stack([x, -x]))
+
+
+def _forward_ad_x(layer, x, ei):
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        out = layer(fwAD.make_dual(x, torch.ones_like(x)), ei)
+        return fwAD.unpack_dual(out).tangent
+
+
+@pytest.mark.parametrize('how', [_func_grad_params, _func_jvp_x, _vmap_grad_x,
+                                 _forward_ad_x])
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_func_transforms_and_forward_ad(name, how):
+    """torch.func.grad over functional_call (meta-learning), jvp,
+    vmap(grad) (per-sample gradients) and forward-mode AD: PyG's results
+    (the fused ops' autograd runs under none of them)."""
+    p, f = _pair(name, 5, 3, heads=2)
+    x, ei = _graph()
+    torch.testing.assert_close(how(f, x, ei), how(p, x, ei))
