@@ -736,3 +736,58 @@ def test_saved_tensor_hooks_see_the_output(backend, name, kw, op):
         res.append((out.detach(), xr.grad,
                     [w.grad for w in layer.parameters()]))
     torch.testing.assert_close(res[1], res[0])
+
+
+@pytest.mark.parametrize('size', [(10, None), (None, 10), (None, None)])
+def test_gat_size_with_none_and_self_loops(size):
+    """GATConv with self-loops takes min(size) as its node count: a size
+    with a None raises PyG's TypeError; without self-loops both run."""
+    x, ei = _graph()
+    for loops in (True, False):
+        p, f = _pair('gat', 5, 3, heads=2, add_self_loops=loops)
+        try:
+            ref = p(x, ei, size=size)
+        except Exception as e:
+            assert loops
+            with pytest.raises(type(e), match='not supported'):
+                f(x, ei, size=size)
+        else:
+            assert not loops
+            torch.testing.assert_close(f(x, ei, size=size), ref)
+
+
+def _func_grad_params(layer, x, ei):
+    from torch.func import functional_call, grad
+    params = {n: p.detach() for n, p in layer.named_parameters()}
+    return grad(lambda ps: functional_call(layer, ps, (x, ei)).pow(2).sum())(
+        params)
+
+
+def _func_jvp_x(layer, x, ei):
+    from torch.func import jvp
+    return jvp(lambda xx: layer(xx, ei), (x, ), (torch.ones_like(x), ))[1]
+
+
+def _vmap_grad_x(layer, x, ei):
+    from torch.func import grad, vmap
+    return vmap(grad(lambda xx: layer(xx, ei).pow(2).sum()))(
+        torch.stack([x, -x]))
+
+
+def _forward_ad_x(layer, x, ei):
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        out = layer(fwAD.make_dual(x, torch.ones_like(x)), ei)
+        return fwAD.unpack_dual(out).tangent
+
+
+@pytest.mark.parametrize('how', [_func_grad_params, _func_jvp_x, _vmap_grad_x,
+                                 _forward_ad_x])
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_func_transforms_and_forward_ad(name, how):
+    """torch.func.grad over functional_call (meta-learning), jvp,
+    vmap(grad) (per-sample gradients) and forward-mode AD: PyG's results
+    (the fused ops' autograd runs under none of them)."""
+    p, f = _pair(name, 5, 3, heads=2)
+    x, ei = _graph()
+    torch.testing.assert_close(how(f, x, ei), how(p, x, ei))

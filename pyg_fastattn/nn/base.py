@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch._C._functorch import TransformType as _TransformType
 from torch.nn.parameter import UninitializedParameter, UninitializedTensorMixin
 from torch_geometric.nn.conv import MessagePassing
 from torch_geometric.nn.dense.linear import Linear
@@ -50,6 +51,19 @@ def plain_linear(lin, x: Tensor) -> bool:
             and not hooks._global_forward_pre_hooks
             and not hooks._global_backward_hooks
             and not hooks._global_backward_pre_hooks)
+
+
+def _autodiff_transform() -> bool:
+    """Whether a torch.func gradient transform (grad, vjp, jacrev, jvp,
+    jacfwd) or a forward-mode AD level is active: the fused ops' autograd
+    (a C++ autograd Function) runs under neither. (vmap alone runs them.)"""
+    if _is_compiling():
+        return False
+    stack = torch._C._functorch.get_interpreter_stack()
+    if stack and any(i.key() in (_TransformType.Grad, _TransformType.Jvp)
+                     for i in stack):
+        return True
+    return torch.autograd.forward_ad._current_level >= 0
 
 
 @dataclass
@@ -179,18 +193,20 @@ class FusedAttentionConv(MessagePassing):
         hooks (``register_message_forward_hook`` and the like: PyG's
         ``AttentionExplainer`` reads ``alpha`` through one) and no
         parameter still lazy (PyG's forward initializes them, in its order,
-        so that a seed gives PyG's weights). Else the subclass falls back
-        to PyG's message passing, which cannot take a :class:`PreparedGraph`
-        ``edge_index``: that raises."""
+        so that a seed gives PyG's weights), and no differentiation the
+        fused ops' autograd cannot run under (:func:`_autodiff_transform`).
+        Else the subclass falls back to PyG's message passing, which cannot
+        take a :class:`PreparedGraph` ``edge_index``: that raises."""
         fused = (self.aggr in ('add', 'sum')
                  and self.flow == 'source_to_target' and not self._explain
                  and not self._has_message_passing_hooks()
-                 and self._materialized())
+                 and self._materialized() and not _autodiff_transform())
         if not fused and isinstance(edge_index, PreparedGraph):
             raise ValueError(
                 'a PreparedGraph needs the fused path (aggr="add", '
                 'flow="source_to_target", explain off, no message-passing '
-                'hooks, parameters initialized); pass edge_index')
+                'hooks, parameters initialized, no torch.func grad/jvp '
+                'transform or forward-mode AD); pass edge_index')
         return fused
 
     def _has_message_passing_hooks(self) -> bool:

@@ -125,6 +125,9 @@ class FastGATConv(FusedAttentionConv, GATConv):
             if x_dst is not None:
                 x_dst = lin_dst(x_dst).view(-1, H, C)
 
+        if (self.add_self_loops and isinstance(edge_index, Tensor)
+                and size is not None):
+            min(size)  # GATConv's node count: a None raises its TypeError
         graph = self.prepare_graph(edge_index, x_src, x_dst, size, edge_attr)
         edge_attr = self.adj_edge_attr(edge_index, edge_attr)
         bias, weights = self.bias, None
