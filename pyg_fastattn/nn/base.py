@@ -14,7 +14,6 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._C._functorch import TransformType as _TransformType
 from torch.nn.parameter import UninitializedParameter, UninitializedTensorMixin
 from torch_geometric.nn.conv import MessagePassing
 from torch_geometric.nn.dense.linear import Linear
@@ -53,15 +52,22 @@ def plain_linear(lin, x: Tensor) -> bool:
             and not hooks._global_backward_pre_hooks)
 
 
+try:  # torch's functorch interpreter stack (private; present in 2.x)
+    from torch._C._functorch import TransformType as _TransformType
+    from torch._C._functorch import get_interpreter_stack as _interpreters
+    _AUTODIFF_TRANSFORMS = (_TransformType.Grad, _TransformType.Jvp)
+except ImportError:  # pragma: no cover
+    _interpreters, _AUTODIFF_TRANSFORMS = (lambda: None), ()
+
+
 def _autodiff_transform() -> bool:
     """Whether a torch.func gradient transform (grad, vjp, jacrev, jvp,
     jacfwd) or a forward-mode AD level is active: the fused ops' autograd
     (a C++ autograd Function) runs under neither. (vmap alone runs them.)"""
     if _is_compiling():
         return False
-    stack = torch._C._functorch.get_interpreter_stack()
-    if stack and any(i.key() in (_TransformType.Grad, _TransformType.Jvp)
-                     for i in stack):
+    stack = _interpreters()
+    if stack and any(i.key() in _AUTODIFF_TRANSFORMS for i in stack):
         return True
     return torch.autograd.forward_ad._current_level >= 0
 
