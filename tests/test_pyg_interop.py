@@ -351,6 +351,29 @@ def test_sparse_tensor_values_as_edge_attr(name, D):
     torch.testing.assert_close(f(x, adj), p(x, adj))
 
 
+@pytest.mark.parametrize('name', ['gat', 'gatv2'])
+def test_sparse_tensor_duplicates_with_self_loops(name):
+    """A torch_sparse.SparseTensor with repeated entries and self-loops
+    added: PyG's set_diag keeps the repeats (as the edge_index path does),
+    so outputs, gradients and returned attention weights keep them too."""
+    import torch_geometric.typing as pyg_typing
+    if not pyg_typing.WITH_TORCH_SPARSE:
+        pytest.skip('torch_sparse is not installed')
+    x, ei = _graph(N=9, E=40)
+    ei = torch.cat([ei, ei[:, :7], torch.tensor([[3, 3], [3, 3]])], 1)
+    adj = pyg_typing.SparseTensor.from_edge_index(ei, sparse_sizes=(9, 9)).t()
+    p, f = _pair(name, 5, 3, heads=2)
+    res = []
+    for layer in (p, f):
+        xx = x.clone().requires_grad_()
+        out, adj_out = layer(xx, adj, return_attention_weights=True)
+        out.square().sum().backward()
+        row, col, val = adj_out.coo()
+        res.append((out, xx.grad, row, col, val))
+    for a, b in zip(res[1], res[0]):
+        torch.testing.assert_close(a, b)
+
+
 def test_three_dim_edge_attr():
     """edge_attr [E, 1, D], which PyG's layers take as [E, D]."""
     x, ei = _graph()

@@ -414,8 +414,9 @@ def _is_sorted_cpu(dst: Tensor) -> bool:
 
 def _sparse_edges(adj, add_self_loops: bool):
     """(src, dst, num_src, num_dst, layout) of an adjacency ``adj_t`` (rows =
-    destinations). With self-loops, edges are coalesced (sorted, unique) as
-    GATConv's ``add_self_loops`` does for sparse input."""
+    destinations). With self-loops, a torch.sparse tensor's edges are
+    coalesced (sorted, unique) as GATConv's ``add_self_loops`` does for it;
+    a ``SparseTensor``'s are kept, repeats included, as ``set_diag`` does."""
     if isinstance(adj, Tensor):
         layout = {torch.sparse_coo: 'coo', torch.sparse_csr: 'csr',
                   torch.sparse_csc: 'csc'}[adj.layout]
@@ -441,7 +442,7 @@ def _sparse_edges(adj, add_self_loops: bool):
         row, col, _ = adj.coo()
         num_dst, num_src = adj.size(0), adj.size(1)
     row, col = row.long(), col.long()
-    if add_self_loops and row.numel() > 0:
+    if add_self_loops and row.numel() > 0 and layout != 'sparse_tensor':
         key = torch.unique(row * max(num_src, 1) + col)  # sorted, no dups
         row, col = key // max(num_src, 1), key % max(num_src, 1)
     return col, row, num_src, num_dst, layout
