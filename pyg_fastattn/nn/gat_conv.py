@@ -126,8 +126,11 @@ class FastGATConv(FusedAttentionConv, GATConv):
                 x_dst = lin_dst(x_dst).view(-1, H, C)
 
         if (self.add_self_loops and isinstance(edge_index, Tensor)
-                and size is not None):
-            min(size)  # GATConv's node count: a None raises its TypeError
+                and size is not None and None in size):
+            # GATConv takes min(size) as its node count: PyG's TypeError
+            raise TypeError(f'`size` {tuple(size)} with a None is not '
+                            f'supported with add_self_loops=True (GATConv '
+                            f'counts the nodes as min(size))')
         graph = self.prepare_graph(edge_index, x_src, x_dst, size, edge_attr)
         edge_attr = self.adj_edge_attr(edge_index, edge_attr)
         bias, weights = self.bias, None
