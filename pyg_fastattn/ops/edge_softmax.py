@@ -40,7 +40,11 @@ def edge_softmax(scores: Tensor, rowptr: Tensor, validate: bool = True) -> Tenso
     Returns:
         [E] or [E, H]: ``exp(s[e]) / sum_{e' in row(e)} exp(s[e'])``. Rows whose
         scores are all ``-inf`` give 0. Same as
-        ``torch_geometric.utils.softmax(scores, ptr=rowptr)``.
+        ``torch_geometric.utils.softmax(scores, ptr=rowptr)``. Like
+        ``torch.softmax`` (and unlike PyG's ``softmax``, which keeps its
+        intermediates instead), the backward reads this output: modify it in
+        place and the backward raises autograd's in-place error. The layers'
+        outputs take in-place ops.
     """
     check_tensor(scores, 'scores', dims=(1, 2), floating=True)
     check_tensor(rowptr, 'rowptr', dims=(1, ), floating=False)
