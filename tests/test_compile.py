@@ -121,6 +121,50 @@ def test_opcheck(backend, device, idx):
     assert seen | {'gat_attention_backward'} == set(_lib._names)
 
 
+def _as_tuple(out):
+    return tuple(out) if isinstance(out, (tuple, list)) else out
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_vmap_every_op(backend, device):
+    """Every op under torch.func.vmap and under the legacy vmap of
+    is_grads_batched (torch._vmap_internals), over a batch of two for each
+    floating-point argument: a loop over the batch's results, the
+    arguments an op writes included."""
+    from torch._vmap_internals import _vmap
+    seen = set()
+    for name, args in _op_cases(device, torch.int64):
+        o = _lib.op(name)
+        args = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        dims = tuple(0 if isinstance(a, torch.Tensor) and a.is_floating_point()
+                     else None for a in args)
+        batch = [torch.stack([a, 0.5 * a + 0.25]) if d == 0 else a
+                 for a, d in zip(args, dims)]
+        written = [i for i, a in enumerate(o._schema.arguments)
+                   if a.alias_info is not None and a.alias_info.is_write]
+        samples = [[b[k].clone() if d == 0 else b for b, d in zip(batch, dims)]
+                   for k in range(2)]
+        want = [_as_tuple(o(*a)) for a in samples]
+        want = (torch.stack(want) if isinstance(want[0], torch.Tensor) else
+                tuple(torch.stack(t) for t in zip(*want)))
+        for vmap in (torch.func.vmap, _vmap):
+            args_k = [b.clone() if d == 0 else b for b, d in zip(batch, dims)]
+            got = vmap(lambda *a: _as_tuple(o(*a)), in_dims=dims)(*args_k)
+            torch.testing.assert_close(got, want, msg=lambda m: f'{name}: {m}')
+            for i in written:
+                torch.testing.assert_close(
+                    args_k[i], torch.stack([a[i] for a in samples]),
+                    msg=lambda m: f'{name} argument {i}: {m}')
+        if written:  # an argument it writes must be batched with the others
+            part = tuple(None if i in written else d for i, d in
+                         enumerate(dims))
+            with pytest.raises(RuntimeError, match='which is not batched'):
+                torch.func.vmap(o, in_dims=part)(*[
+                    b if d == 0 else a for a, b, d in zip(args, batch, part)])
+        seen.add(name)
+    assert seen | {'gat_attention_backward'} == set(_lib._names)
+
+
 @pytest.mark.parametrize('device', DEVICES)
 def test_no_second_derivative(backend, device):
     """Every differentiable op under create_graph: the same first-order

@@ -814,3 +814,81 @@ def test_func_transforms_and_forward_ad(name, how):
     p, f = _pair(name, 5, 3, heads=2)
     x, ei = _graph()
     torch.testing.assert_close(how(f, x, ei), how(p, x, ei))
+
+
+def _small(name, edge):
+    """A pair on a graph of 6 nodes and 12 edges, with 2 edge features
+    (``edge_dim``) when ``edge``; the inputs (x, edge_attr or None)."""
+    p, f = _pair(name, 3, 2, heads=2, **(dict(edge_dim=2) if edge else {}))
+    x, ei = _graph(N=6, E=12, F=3)
+    ea = torch.randn(12, 2, dtype=torch.float64) if edge else None
+    return p, f, ei, (x, ea)
+
+
+def _run(layer, ei, x, ea):
+    return layer(x, ei) if ea is None else layer(x, ei, ea)
+
+
+@pytest.mark.parametrize('edge', [False, True])
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_grads_batched(backend, name, edge):
+    """autograd.grad(is_grads_batched=True) (the legacy vmap over the
+    backward ops) and torch.func.vmap over autograd.grad, w.r.t. x,
+    edge_attr and the parameters: a loop of autograd.grad, and PyG's."""
+    p, f, ei, (x, ea) = _small(name, edge)
+    res = []
+    for layer in (p, f):
+        names = sorted(n for n, _ in layer.named_parameters())
+        params = dict(layer.named_parameters())
+        xr = x.clone().requires_grad_()
+        ear = None if ea is None else ea.clone().requires_grad_()
+        out = _run(layer, ei, xr, ear)
+        inputs = [t for t in (xr, ear) if t is not None]
+        inputs += [params[n] for n in names]
+        V = torch.randn((3, ) + out.shape, dtype=out.dtype,
+                        generator=torch.Generator().manual_seed(1))
+        grad = lambda v, **kw: torch.autograd.grad(  # noqa: E731
+            out, inputs, v, **kw)
+        loop = [torch.stack(g) for g in zip(*(grad(v, retain_graph=True)
+                                              for v in V))]
+        if layer is f:
+            torch.testing.assert_close(list(torch.func.vmap(
+                lambda v: grad(v, retain_graph=True))(V)), loop)
+        # (last, freeing the graph: where grads_in_place may write over
+        # the forward's buffers)
+        batched = grad(V, is_grads_batched=True)
+        torch.testing.assert_close(list(batched), loop)
+        res.append(batched)
+    torch.testing.assert_close(res[1], res[0])
+
+
+@pytest.mark.parametrize('edge', [False, True])
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_vectorized_jacobian(backend, name, edge):
+    """autograd.functional.jacobian(vectorize=True) w.r.t. x and edge_attr:
+    vectorize=False's, and PyG's."""
+    p, f, ei, (x, ea) = _small(name, edge)
+    inputs = (x, ) if ea is None else (x, ea)
+    fn = lambda layer: lambda x, ea=None: _run(layer, ei, x, ea)  # noqa
+    fast = torch.autograd.functional.jacobian(fn(f), inputs, vectorize=True)
+    torch.testing.assert_close(
+        fast, torch.autograd.functional.jacobian(fn(f), inputs))
+    torch.testing.assert_close(
+        fast, torch.autograd.functional.jacobian(fn(p), inputs,
+                                                 vectorize=True))
+
+
+def test_grads_batched_without_the_extension():
+    """The same, and the ops' tests of is_grads_batched and vmap, through
+    the Python autograd formulas (no native build)."""
+    env = dict(os.environ, PYG_FASTATTN_BACKEND='reference')
+    tests = REPO / 'tests'
+    r = subprocess.run(
+        [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider',
+         '-m', 'not cuda', str(tests / 'test_pyg_interop.py'),
+         str(tests / 'test_ops.py'), str(tests / 'test_compile.py'), '-k',
+         '(grads_batched or vectorized_jacobian or vmap_every_op) and '
+         'reference'],
+        cwd=str(REPO), env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert ' passed' in r.stdout and 'skipped' not in r.stdout, r.stdout

@@ -112,11 +112,15 @@ const void* storage_of(const at::Tensor& t) {
 }
 
 // out, key and value may take the gradients: plain tensors (not traced:
-// fake and functional tensors get the out-of-place op), contiguous, of one
+// fake and functional tensors get the out-of-place op; none of the six
+// without storage: batched by vmap or is_grads_batched), contiguous, of one
 // dtype, sharing memory with none of the other inputs.
 bool may_overwrite(const at::Tensor& query, const at::Tensor& key,
                    const at::Tensor& value, const at::Tensor& edge_term,
                    const at::Tensor& out, const at::Tensor& grad_out) {
+  for (const at::Tensor* t : {&query, &key, &value, &edge_term, &out,
+                              &grad_out})
+    if (t->defined() && !t->has_storage()) return false;
   for (const at::Tensor* t : {&out, &key, &value}) {
     if (is_traced(*t) || !t->is_contiguous() ||
         t->scalar_type() != key.scalar_type())

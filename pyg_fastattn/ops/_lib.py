@@ -10,6 +10,9 @@ reference (:mod:`pyg_fastattn.reference`, same names and arguments) as that
 device's kernel of the same op. :func:`use_reference` swaps the reference in
 for a while (tests compare both).
 
+Every op has batching rules (:func:`_register_vmap`) for ``torch.func.vmap``
+and ``autograd.grad(is_grads_batched=True)``.
+
 Autocast: under ``torch.autocast`` every floating-point tensor argument is
 cast to the autocast dtype (float16/bfloat16); kernels read that dtype and
 accumulate in float32.
@@ -226,6 +229,81 @@ def _register_autograd(name: str, backward: Callable,
     _lib.impl(name, kernel, 'Autograd', with_keyset=True)
 
 
+def _per_sample(name: str, overload, written, args, batched):
+    """``overload`` once per sample, outputs stacked at dim 0 (None where
+    undefined): ``args[i]`` with ``batched[i]`` has the batch at dim 0 and
+    is passed sliced, the others as they are. Arguments the op writes are
+    written through to their batched tensors."""
+    for i in written:
+        if not batched[i]:
+            raise RuntimeError(
+                f'vmap: pyg_fastattn::{name} writes its argument '
+                f'{overload._schema.arguments[i].name!r}, which is not '
+                'batched while other arguments are')
+    size = next(a.size(0) for a, b in zip(args, batched) if b)
+    if size == 0:
+        raise RuntimeError(f'vmap: pyg_fastattn::{name} does not support a '
+                           'batch of size 0')
+    outs = []
+    for k in range(size):
+        sample = [a.select(0, k) if b else a for a, b in zip(args, batched)]
+        for i in written:  # (a kernel may assume them contiguous)
+            sample[i] = sample[i].contiguous()
+        outs.append(overload(*sample))
+        for i in written:
+            args[i].select(0, k).copy_(sample[i])
+    if isinstance(outs[0], Tensor):
+        return torch.stack(outs)
+    return type(outs[0])(None if ts[0] is None else torch.stack(ts)
+                         for ts in zip(*outs))
+
+
+def _register_vmap(name: str) -> None:
+    """Batching rules of ``name``: the op once per sample
+    (:func:`_per_sample`). For ``torch.func.vmap`` (FuncTorchBatched) and
+    for the legacy vmap (Batched) of ``autograd.grad(is_grads_batched=True)``
+    and ``jacobian(vectorize=True)``, which reaches the backward ops. (The
+    per-sample fallbacks of both take no ``Tensor[]`` returns and no ops that
+    write several arguments.) Calls without batched tensors never reach
+    them."""
+    overload = op(name)
+    written = [i for i, a in enumerate(overload._schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write]
+
+    def functorch_rule(info, in_dims, *args):
+        batched = [isinstance(d, int) for d in in_dims]
+        args = [a.movedim(d, 0) if b else a
+                for a, d, b in zip(args, in_dims, batched)]
+        out = _per_sample(name, overload, written, args, batched)
+        if isinstance(out, Tensor):
+            return out, 0
+        return out, type(out)(None if t is None else 0 for t in out)
+
+    torch.library.register_vmap(f'{NAMESPACE}::{name}', functorch_rule,
+                                lib=_lib)
+
+    def legacy_kernel(*args):
+        # the current level of torch._vmap_internals._vmap
+        level = torch._C._vmapmode_increment_nesting() - 1
+        torch._C._vmapmode_decrement_nesting()
+        batched = [isinstance(a, Tensor)
+                   and torch._C._functorch.is_legacy_batchedtensor(a)
+                   for a in args]
+        args = [torch._remove_batch_dim(a, level, 0, 0) if b else a
+                for a, b in zip(args, batched)]
+        if any(b and torch._C._functorch.is_legacy_batchedtensor(a)
+               for a, b in zip(args, batched)):
+            raise RuntimeError(f'pyg_fastattn::{name}: nested vmap '
+                               '(is_grads_batched) is not supported')
+        out = _per_sample(name, overload, written, args, batched)
+        if isinstance(out, Tensor):
+            return torch._add_batch_dim(out, 0, level)
+        return type(out)(None if t is None else torch._add_batch_dim(
+            t, 0, level) for t in out)
+
+    _lib.impl(name, legacy_kernel, 'Batched')
+
+
 # Autograd formulas that the extension also implements in C++: registered
 # from Python only when it is not loaded.
 _python_autograd_fallback: Dict[str, tuple] = {}
@@ -234,10 +312,12 @@ _python_autograd_fallback: Dict[str, tuple] = {}
 def register(name: str, *, fake: Callable, backward: Optional[Callable] = None,
              setup_context: Optional[Callable] = None, autocast: bool = False,
              native_autograd: bool = False) -> None:
-    """Fake impl, autograd formula and autocast rule of ``name``.
+    """Fake impl, batching rule (:func:`_register_vmap`), autograd formula
+    and autocast rule of ``name``.
     ``native_autograd``: csrc/ registers the Autograd kernel; ``backward``
     is then only the formula of builds without the extension."""
     torch.library.register_fake(f'{NAMESPACE}::{name}', fake, lib=_lib)
+    _register_vmap(name)
     if backward is not None and native_autograd:
         _python_autograd_fallback[name] = (backward, setup_context)
     elif backward is not None:

@@ -112,11 +112,20 @@ def _storage(t: Optional[Tensor]) -> int:
     return t.untyped_storage().data_ptr() if t is not None else 0
 
 
+def _batched(t: Optional[Tensor]) -> bool:
+    return t is not None and (
+        torch._C._functorch.is_functorch_wrapped_tensor(t)
+        or torch._C._functorch.is_legacy_batchedtensor(t))
+
+
 def _may_overwrite(query, key, value, edge_term, out, grad_out) -> bool:
     """out, key and value are plain tensors (not traced: torch.compile gets
-    the out-of-place op), contiguous, of one dtype, and share memory with
-    none of the other inputs."""
+    the out-of-place op; none of the six batched: vmap, is_grads_batched),
+    contiguous, of one dtype, and share memory with none of the other
+    inputs."""
     if not all(type(t) is Tensor for t in (out, key, value)):
+        return False
+    if any(_batched(t) for t in (query, key, value, edge_term, out, grad_out)):
         return False
     if not (out.is_contiguous() and key.is_contiguous()
             and value.is_contiguous() and out.dtype == key.dtype == value.dtype):
