@@ -424,7 +424,10 @@ def test_vmap_then_backward(name):
 def test_empty_node_sets(device, name, backend):
     """No nodes at all, no destinations, no sources (a node type that a
     heterogeneous mini-batch did not sample): PyG's empty outputs and
-    gradients, forward and backward, on the kernels and the fallback."""
+    gradients, forward and backward, on the kernels and the fallback. An
+    input without rows gets PyG's empty gradient, not None (an upstream
+    layer's parameters then get zero gradients, which weight decay and
+    momentum act on, as with PyG's layer)."""
     P, F = PAIRS[name]
     ei = torch.empty(2, 0, dtype=torch.long, device=device)
     loops = {} if name == 'transformer' else dict(add_self_loops=False)
@@ -442,11 +445,11 @@ def test_empty_node_sets(device, name, backend):
             x = xs if not isinstance(in_channels, tuple) else (xs, xd)
             out = layer(x, ei)
             (out.sum() + sum(q.sum() for q in layer.parameters())).backward()
-            res.append([out, xs.grad] + [q.grad for q in layer.parameters()])
-        for a, b in zip(*res):  # (a None gradient is a zero one)
-            if a is None or b is None:
-                assert all(t is None or not t.any() for t in (a, b))
-            else:
+            res.append([out, xs.grad, xd.grad]
+                       + [q.grad for q in layer.parameters()])
+        for a, b in zip(*res):
+            assert (a is None) == (b is None), (in_channels, ns, nd)
+            if a is not None:
                 torch.testing.assert_close(b, a)
 
 
