@@ -374,6 +374,29 @@ def test_sparse_tensor_duplicates_with_self_loops(name):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize('form', ['torch.sparse', 'SparseTensor'])
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_sparse_adjacency_of_another_size_raises_as_pyg(name, form):
+    """A sparse adjacency whose size disagrees with x: PyG's ValueError
+    (a SparseTensor's once raised a TypeError from the message itself)."""
+    import torch_geometric.typing as pyg_typing
+    if form == 'SparseTensor' and not pyg_typing.WITH_TORCH_SPARSE:
+        pytest.skip('torch_sparse is not installed')
+    x, ei = _graph(N=6, E=10)
+    p, f = _pair(name, 5, 3, heads=2)
+    for n in (5, 7):
+        if form == 'SparseTensor':
+            adj = pyg_typing.SparseTensor(row=ei[1] % n, col=ei[0] % n,
+                                          sparse_sizes=(n, n))
+        else:
+            adj = torch.sparse_coo_tensor(torch.stack([ei[1], ei[0]]) % n,
+                                          torch.ones(10), (n, n)).coalesce()
+        with pytest.raises(ValueError):
+            p(x, adj)
+        with pytest.raises(ValueError, match=f'sparse adjacency has {n}'):
+            f(x, adj)
+
+
 def test_three_dim_edge_attr():
     """edge_attr [E, 1, D], which PyG's layers take as [E, D]."""
     x, ei = _graph()
