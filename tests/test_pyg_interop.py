@@ -3,6 +3,7 @@ explainers and message-passing hooks, lazy initialization, inference mode,
 modules wrapped around ``lin_edge``, EdgeIndex sizes, higher-order
 gradients, retain_graph, and autocast over a half-precision model."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -226,6 +227,43 @@ def test_gat_lin_edge_is_called():
     del calls[:]
     f(x, ei, ea)  # the fused path
     assert calls
+
+
+class _CastToWeight(torch.nn.Module):
+    """A lin_edge that takes integer edge features (edge types, counts)."""
+
+    def __init__(self, lin):
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, ea):
+        return self.lin(ea.to(self.lin.weight.dtype))
+
+
+@pytest.mark.parametrize('fill_value', ['mean', 'add', 'max', 2])
+@pytest.mark.parametrize('name', ['gat', 'gatv2'])
+def test_integer_edge_attr_with_self_loops(name, fill_value, backend):
+    """Integer edge features beside added self-loops: the loops' features as
+    PyG's add_self_loops computes them (its 'mean' divides into floating
+    point), handed to a lin_edge that takes them; with PyG's own Linear,
+    PyG's dtype error (not one about an op's `src`)."""
+    x, ei = _graph()
+    ea = torch.randint(0, 5, (ei.size(1), 2))
+    p, f = _pair(name, 5, 3, heads=2, edge_dim=2, fill_value=fill_value)
+    with pytest.raises(RuntimeError) as info:
+        p(x, ei, ea)
+    with pytest.raises(RuntimeError, match=re.escape(str(info.value))):
+        f(x, ei, ea)
+    for layer in (p, f):
+        layer.lin_edge = _CastToWeight(layer.lin_edge)
+    res = []
+    for layer in (p, f):
+        xx = x.clone().requires_grad_()
+        out, (_, alpha) = layer(xx, ei, ea, return_attention_weights=True)
+        out.square().sum().backward()
+        res.append((out, alpha, xx.grad,
+                    [w.grad for w in layer.parameters()], layer(x, ei, ea)))
+    torch.testing.assert_close(res[1], res[0])
 
 
 def test_edge_index_sparse_size_checked():
