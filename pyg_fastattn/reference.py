@@ -229,7 +229,7 @@ def gat_attention_backward(grad_out: Tensor, rowptr: Tensor, col: Tensor,
                            max_col_len: int = -1) -> list:
     _, H, C = att_src.shape
     h = h.reshape(-1, H, C)
-    has_dst = a_dst.numel() > 0
+    has_dst = a_dst.dim() > 1  # (absent: 1-D empty; [0, H] for 0 nodes)
     need_edge = bool(output_mask[6]) and a_edge is not None
     g_h, g_z, g_src = attention_backward(
         rowptr, col, colptr, csc_row, csc_perm, a_src,

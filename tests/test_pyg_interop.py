@@ -3,6 +3,7 @@ explainers and message-passing hooks, lazy initialization, inference mode,
 modules wrapped around ``lin_edge``, EdgeIndex sizes, higher-order
 gradients, retain_graph, and autocast over a half-precision model."""
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -228,6 +229,43 @@ def test_gat_lin_edge_is_called():
     assert calls
 
 
+class _CastToWeight(torch.nn.Module):
+    """A lin_edge that takes integer edge features (edge types, counts)."""
+
+    def __init__(self, lin):
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, ea):
+        return self.lin(ea.to(self.lin.weight.dtype))
+
+
+@pytest.mark.parametrize('fill_value', ['mean', 'add', 'max', 2])
+@pytest.mark.parametrize('name', ['gat', 'gatv2'])
+def test_integer_edge_attr_with_self_loops(name, fill_value, backend):
+    """Integer edge features beside added self-loops: the loops' features as
+    PyG's add_self_loops computes them (its 'mean' divides into floating
+    point), handed to a lin_edge that takes them; with PyG's own Linear,
+    PyG's dtype error (not one about an op's `src`)."""
+    x, ei = _graph()
+    ea = torch.randint(0, 5, (ei.size(1), 2))
+    p, f = _pair(name, 5, 3, heads=2, edge_dim=2, fill_value=fill_value)
+    with pytest.raises(RuntimeError) as info:
+        p(x, ei, ea)
+    with pytest.raises(RuntimeError, match=re.escape(str(info.value))):
+        f(x, ei, ea)
+    for layer in (p, f):
+        layer.lin_edge = _CastToWeight(layer.lin_edge)
+    res = []
+    for layer in (p, f):
+        xx = x.clone().requires_grad_()
+        out, (_, alpha) = layer(xx, ei, ea, return_attention_weights=True)
+        out.square().sum().backward()
+        res.append((out, alpha, xx.grad,
+                    [w.grad for w in layer.parameters()], layer(x, ei, ea)))
+    torch.testing.assert_close(res[1], res[0])
+
+
 def test_edge_index_sparse_size_checked():
     """An EdgeIndex whose sparse size disagrees with x raises PyG's error;
     a write into its as_tensor() is seen by the graph cache."""
@@ -374,6 +412,29 @@ def test_sparse_tensor_duplicates_with_self_loops(name):
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize('form', ['torch.sparse', 'SparseTensor'])
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_sparse_adjacency_of_another_size_raises_as_pyg(name, form):
+    """A sparse adjacency whose size disagrees with x: PyG's ValueError
+    (a SparseTensor's once raised a TypeError from the message itself)."""
+    import torch_geometric.typing as pyg_typing
+    if form == 'SparseTensor' and not pyg_typing.WITH_TORCH_SPARSE:
+        pytest.skip('torch_sparse is not installed')
+    x, ei = _graph(N=6, E=10)
+    p, f = _pair(name, 5, 3, heads=2)
+    for n in (5, 7):
+        if form == 'SparseTensor':
+            adj = pyg_typing.SparseTensor(row=ei[1] % n, col=ei[0] % n,
+                                          sparse_sizes=(n, n))
+        else:
+            adj = torch.sparse_coo_tensor(torch.stack([ei[1], ei[0]]) % n,
+                                          torch.ones(10), (n, n)).coalesce()
+        with pytest.raises(ValueError):
+            p(x, adj)
+        with pytest.raises(ValueError, match=f'sparse adjacency has {n}'):
+            f(x, adj)
+
+
 def test_three_dim_edge_attr():
     """edge_attr [E, 1, D], which PyG's layers take as [E, D]."""
     x, ei = _graph()
@@ -424,7 +485,10 @@ def test_vmap_then_backward(name):
 def test_empty_node_sets(device, name, backend):
     """No nodes at all, no destinations, no sources (a node type that a
     heterogeneous mini-batch did not sample): PyG's empty outputs and
-    gradients, forward and backward, on the kernels and the fallback."""
+    gradients, forward and backward, on the kernels and the fallback. An
+    input without rows gets PyG's empty gradient, not None (an upstream
+    layer's parameters then get zero gradients, which weight decay and
+    momentum act on, as with PyG's layer)."""
     P, F = PAIRS[name]
     ei = torch.empty(2, 0, dtype=torch.long, device=device)
     loops = {} if name == 'transformer' else dict(add_self_loops=False)
@@ -442,11 +506,11 @@ def test_empty_node_sets(device, name, backend):
             x = xs if not isinstance(in_channels, tuple) else (xs, xd)
             out = layer(x, ei)
             (out.sum() + sum(q.sum() for q in layer.parameters())).backward()
-            res.append([out, xs.grad] + [q.grad for q in layer.parameters()])
-        for a, b in zip(*res):  # (a None gradient is a zero one)
-            if a is None or b is None:
-                assert all(t is None or not t.any() for t in (a, b))
-            else:
+            res.append([out, xs.grad, xd.grad]
+                       + [q.grad for q in layer.parameters()])
+        for a, b in zip(*res):
+            assert (a is None) == (b is None), (in_channels, ns, nd)
+            if a is not None:
                 torch.testing.assert_close(b, a)
 
 

@@ -404,8 +404,12 @@ class GATAttentionFunction
     });
     const auto g = call_gat_attention_backward(
         grads[0], s, slope, dst_is_src, output_mask, max_row, max_col);
+    // (an absent gradient is none_like's 1-D empty tensor; an input with
+    // no rows, x of a graph without nodes, gets its empty gradient, as
+    // autograd gives PyG's layer)
     for (size_t k = 0; k < output_mask.size(); ++k)
-      if (output_mask[k] && g[k].sym_numel() != 0) res[kGradArgs[k]] = g[k];
+      if (output_mask[k] && (g[k].sym_numel() != 0 || g[k].dim() != 1))
+        res[kGradArgs[k]] = g[k];
     return res;
   }
 };

@@ -474,7 +474,17 @@ class FusedAttentionConv(MessagePassing):
         if not isinstance(fv, str):
             raise AttributeError("No valid 'fill_value' provided")
         idx = graph.fill_index  # [E]; L = does not count (extra slot)
-        if fv in ('add', 'sum', 'mean'):
+        if fv in ('add', 'sum', 'mean') and not ea.is_floating_point():
+            # Integer features (a module in place of lin_edge may take
+            # them; segment_sum takes floating point only): PyG's scatter,
+            # whose mean divides into the default floating dtype.
+            out = ea.new_zeros((L + 1, D)).scatter_add_(
+                0, idx.view(-1, 1).expand_as(ea), ea)
+            if fv == 'mean':
+                cnt = idx.new_zeros(L + 1).scatter_add_(
+                    0, idx, torch.ones_like(idx)).clamp_(min=1)
+                out = out / cnt.to(ea.dtype).view(-1, 1)
+        elif fv in ('add', 'sum', 'mean'):
             # Deterministic (no atomics): sum each CSR row of the kept input
             # edges; the row's own added loop contributes a zero row.
             ea_aug = torch.cat([ea, ea.new_zeros((L, D))])

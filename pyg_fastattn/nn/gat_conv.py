@@ -216,5 +216,7 @@ class FastGATConv(FusedAttentionConv, GATConv):
         ea = self.check_edge_attr(edge_attr, graph)
         if graph.num_loops == 0:
             return self._edge_terms(ea)[0]
-        return torch.cat(
-            self._edge_terms(ea, self.loop_edge_attr(ea, graph)), dim=0)
+        loop = self.loop_edge_attr(ea, graph)
+        if loop.dtype != ea.dtype:  # (integer features, a 'mean' fill)
+            ea = ea.to(loop.dtype)  # as PyG's cat of the two
+        return torch.cat(self._edge_terms(ea, loop), dim=0)

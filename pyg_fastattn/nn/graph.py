@@ -717,8 +717,8 @@ def _prepare(edge_index, num_src: Optional[int], num_dst: Optional[int],
             if want is not None and want != got:
                 raise ValueError(
                     f'the sparse adjacency has {got} {name} nodes '
-                    f'(size {tuple(edge_index.size()[:2])}, rows = '
-                    f'destinations) but the node features have {want}')
+                    f'(size {(nd, ns)}, rows = destinations) but the node '
+                    f'features have {want}')
         return _build(src, dst, ns, nd, add_self_loops, layout, src.dtype,
                       _validation_mode(validate, src.device))
     _check_edge_index(edge_index)

@@ -93,8 +93,10 @@ def _backward(ctx, grad_out, _lse, _h, _a_src, _a_dst):
         *s[14:17], slope, dst_is_src, *ctx.lengths)[0])
     grads = _lib.op('gat_attention_backward')(
         grad_out, *s, slope, dst_is_src, output_mask, *ctx.lengths)
-    # empty: not needed, or the input takes no part (att_dst without h_dst)
-    g = [t if want and t.numel() > 0 else None
+    # 1-D and empty: not needed, or the input takes no part (att_dst without
+    # h_dst); an input without rows (x of a graph without nodes) gets its
+    # empty gradient, as autograd gives PyG's layer
+    g = [t if want and (t.numel() > 0 or t.dim() != 1) else None
          for t, want in zip(grads, output_mask)]
     return (None, ) * 6 + tuple(g[:7]) + (None, g[7]) + (None, ) * 4
 
