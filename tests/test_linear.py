@@ -11,6 +11,7 @@ from torch_geometric.nn.dense.linear import Linear
 import pyg_fastattn
 from pyg_fastattn import FastGATConv, FastGATv2Conv, FastTransformerConv, ops
 from pyg_fastattn.nn.base import plain_linear
+from pyg_fastattn.ops import _lib
 
 from conftest import DEVICES, requires_cuda
 
@@ -61,6 +62,19 @@ def test_column_sum(device, rows, dtype):
     scale = src.double().abs().sum(0).clamp(min=1)
     assert ((got.double() - want).abs() / scale).max() < tol[dtype]
     assert torch.equal(ops.column_sum(src), got)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_column_sum_grad(device):
+    """column_sum is differentiable: each row gets the output's gradient
+    (it had no autograd formula, and a backward through it gave none)."""
+    src = torch.randn(7, 5, dtype=torch.float64, device=device,
+                      requires_grad=True)
+    assert torch.autograd.gradcheck(ops.column_sum, (src, ))
+    g = torch.randn(5, dtype=torch.float64, device=device)
+    got, = torch.autograd.grad(ops.column_sum(src), src, g)
+    assert torch.equal(got, g.expand(7, 5))
+    torch.library.opcheck(_lib.op('column_sum'), (src, ))
 
 
 def test_column_sum_rejects_bad_input():

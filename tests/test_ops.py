@@ -364,7 +364,7 @@ def test_gradcheck(backend, device):
 
 def _functional_cases(rowptr, col, Ns, device):
     """(name, fn, inputs) for every differentiable functional op, float64,
-    H = 2, C = 3 (column_sum, which backward passes call, has no gradient)."""
+    H = 2, C = 3."""
     N, E, H, C = rowptr.numel() - 1, col.numel(), 2, 3
     r = lambda *shape: torch.randn(*shape, dtype=torch.float64,  # noqa: E731
                                    device=device, requires_grad=True)
@@ -401,6 +401,7 @@ def _functional_cases(rowptr, col, Ns, device):
          transformer_attention(rowptr, col, q, k, v, grads_in_place=True),
          [r(N, H, C), r(Ns, H, C), r(Ns, H, C)]),
         ('linear', ops.linear, [r(N, 5), r(4, 5), r(4)]),
+        ('column_sum', ops.column_sum, [r(N, 5)]),
         ('segment_sum', lambda s: ops.segment_sum(rowptr, s, csc.inv),
          [r(E, H)]),
     ]

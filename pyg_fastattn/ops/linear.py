@@ -52,7 +52,18 @@ _lib.register('linear', fake=_fake, backward=_backward,
               setup_context=_setup_context, autocast=True,
               native_autograd=True)
 _lib.register('linear_backward', fake=_fake_backward)
-_lib.register('column_sum', fake=_fake_column_sum)
+
+
+def _setup_column_sum(ctx, inputs, output):
+    ctx.rows = inputs[0].shape[0]
+
+
+def _backward_column_sum(ctx, grad_out):
+    return grad_out.unsqueeze(0).expand(ctx.rows, -1)
+
+
+_lib.register('column_sum', fake=_fake_column_sum,
+              backward=_backward_column_sum, setup_context=_setup_column_sum)
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
