@@ -426,6 +426,40 @@ def test_grads_batched(backend, device, graph):
                                    msg=lambda m: f'{name}: {m}')
 
 
+def test_grads_batched_on_another_thread(backend):
+    """The legacy vmap's batching rule on a thread other than the vmap's, as
+    autograd runs a CUDA backward on its device thread (the vmap nesting
+    there is 0): the tensors' own level; two levels raise."""
+    import threading
+    from torch._vmap_internals import _vmap
+    rowptr = torch.tensor([0, 2, 5, 5, 6])
+    out = ops.edge_softmax(torch.randn(6, 2, dtype=torch.float64), rowptr)
+    backward = torch.ops.pyg_fastattn.edge_softmax_backward
+
+    def on_thread(g):
+        res = []
+        t = threading.Thread(target=lambda: res.append(
+            _catch(lambda: backward(rowptr, out, g))))
+        t.start()
+        t.join()
+        if isinstance(res[0], Exception):
+            raise res[0]
+        return res[0]
+
+    G = torch.randn(3, 6, 2, dtype=torch.float64)
+    want = torch.stack([backward(rowptr, out, g) for g in G])
+    assert torch.equal(_vmap(on_thread)(G), want)
+    with pytest.raises(RuntimeError, match='nested vmap'):
+        _vmap(_vmap(on_thread))(G.unsqueeze(0))
+
+
+def _catch(fn):
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 (re-raised on the test's thread)
+        return e
+
+
 @pytest.mark.parametrize('device', DEVICES)
 def test_neg_inf_rows_and_nan(backend, device):
     """-inf scores mask edges; a row of only -inf gives 0, not NaN; NaN

@@ -258,6 +258,18 @@ def _per_sample(name: str, overload, written, args, batched):
                          for ts in zip(*outs))
 
 
+def _legacy_level(t: Tensor) -> Optional[int]:
+    """The level of a tensor batched by one legacy vmap (None if by several).
+    Read from the tensor: a CUDA backward runs on autograd's device thread,
+    where the vmap nesting (thread-local) is 0. Removing another level
+    leaves the tensor batched."""
+    for level in range(1, 65):
+        if not torch._C._functorch.is_legacy_batchedtensor(
+                torch._remove_batch_dim(t, level, 0, 0)):
+            return level
+    return None
+
+
 def _register_vmap(name: str) -> None:
     """Batching rules of ``name``: the op once per sample
     (:func:`_per_sample`). For ``torch.func.vmap`` (FuncTorchBatched) and
@@ -283,18 +295,16 @@ def _register_vmap(name: str) -> None:
                                 lib=_lib)
 
     def legacy_kernel(*args):
-        # the current level of torch._vmap_internals._vmap
-        level = torch._C._vmapmode_increment_nesting() - 1
-        torch._C._vmapmode_decrement_nesting()
         batched = [isinstance(a, Tensor)
                    and torch._C._functorch.is_legacy_batchedtensor(a)
                    for a in args]
-        args = [torch._remove_batch_dim(a, level, 0, 0) if b else a
-                for a, b in zip(args, batched)]
-        if any(b and torch._C._functorch.is_legacy_batchedtensor(a)
-               for a, b in zip(args, batched)):
+        levels = {_legacy_level(a) for a, b in zip(args, batched) if b}
+        if len(levels) != 1 or None in levels:
             raise RuntimeError(f'pyg_fastattn::{name}: nested vmap '
                                '(is_grads_batched) is not supported')
+        level = levels.pop()
+        args = [torch._remove_batch_dim(a, level, 0, 0) if b else a
+                for a, b in zip(args, batched)]
         out = _per_sample(name, overload, written, args, batched)
         if isinstance(out, Tensor):
             return torch._add_batch_dim(out, 0, level)
