@@ -17,6 +17,7 @@ from torch import Tensor
 from torch.nn.parameter import UninitializedParameter, UninitializedTensorMixin
 from torch_geometric.nn.conv import MessagePassing
 from torch_geometric.nn.dense.linear import Linear
+from torch_geometric.utils import scatter
 
 from .. import ops
 from .graph import (PreparedGraph, _EdgeIndex, _is_compiling,
@@ -476,14 +477,9 @@ class FusedAttentionConv(MessagePassing):
         idx = graph.fill_index  # [E]; L = does not count (extra slot)
         if fv in ('add', 'sum', 'mean') and not ea.is_floating_point():
             # Integer features (a module in place of lin_edge may take
-            # them; segment_sum takes floating point only): PyG's scatter,
-            # whose mean divides into the default floating dtype.
-            out = ea.new_zeros((L + 1, D)).scatter_add_(
-                0, idx.view(-1, 1).expand_as(ea), ea)
-            if fv == 'mean':
-                cnt = idx.new_zeros(L + 1).scatter_add_(
-                    0, idx, torch.ones_like(idx)).clamp_(min=1)
-                out = out / cnt.to(ea.dtype).view(-1, 1)
+            # them; segment_sum takes floating point only): PyG's own
+            # scatter, as its add_self_loops calls it (a mean is floating)
+            out = scatter(ea, idx, 0, L + 1, reduce=fv)
         elif fv in ('add', 'sum', 'mean'):
             # Deterministic (no atomics): sum each CSR row of the kept input
             # edges; the row's own added loop contributes a zero row.
