@@ -220,6 +220,8 @@ def softmax_aggregate_cases(dev, N, deg, H, C, seed=False, targets=None,
     }
     d = _graph_label(graph, deg, deg_range)
     size = f'{N:,} rows x {d} x {H}h x {C}c (E={E:,})'
+    if idx != torch.long:
+        size += f', {str(idx).split(".")[-1]} indices'
     fl, ga = _aggregate_bytes(rowptr, col, s, v, g)
     return _both('softmax_aggregate', size, impls, 'pyg', [s, v], g, fl, ga,
                  seed, targets, dict(N=N, E=E, H=H, C=C))
@@ -277,6 +279,10 @@ def plan(dev, quick: bool):
                                           target=('ms<=', 6.0))),
             ('softmax_aggregate', lambda: softmax_aggregate_cases(
                 dev, 1_000_000, 20, 8, 16,
+                targets={'fwd+bwd': ('speedup>=', 12.0)})),
+            # the same with int32 indices, as prepare() gives the layers
+            ('softmax_aggregate', lambda: softmax_aggregate_cases(
+                dev, 1_000_000, 20, 8, 16, idx=torch.int32,
                 targets={'fwd+bwd': ('speedup>=', 12.0)})),
             ('spmm', lambda: spmm_cases(dev, 1_000_000, 20, 8, 16)),
             ('spmm', lambda: spmm_cases(dev, 1_000_000, 20, 1, 128, sparse=True)),
