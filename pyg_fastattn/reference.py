@@ -193,6 +193,15 @@ def attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
     return grad_values.to(dt), grad_z.to(dt), grad_a_src.to(dt)
 
 
+def _x_as_weight(x: Tensor, weight: Tensor) -> Tensor:
+    """x in weight's dtype where x is float32 beside a 16-bit weight (as
+    autocast passes gat_attention's x); else x as it is."""
+    if x.dtype == torch.float32 and weight.dtype in (torch.float16,
+                                                     torch.bfloat16):
+        return x.to(weight.dtype)
+    return x
+
+
 def gat_attention(rowptr: Tensor, col: Tensor, colptr: Tensor, csc_row: Tensor,
                   csc_perm: Tensor, csc_inv: Tensor, x: Optional[Tensor],
                   weight: Optional[Tensor], h_src: Optional[Tensor],
@@ -202,7 +211,8 @@ def gat_attention(rowptr: Tensor, col: Tensor, colptr: Tensor, csc_row: Tensor,
                   dst_is_src: bool, max_row_len: int = -1,
                   max_col_len: int = -1):
     _, H, C = att_src.shape
-    h = (x @ weight.t() if weight is not None else h_src).reshape(-1, H, C)
+    h = (_x_as_weight(x, weight) @ weight.t() if weight is not None
+         else h_src).reshape(-1, H, C)
     a_src = (h * att_src).sum(-1)
     a_dst = None
     if dst_is_src:
@@ -247,9 +257,9 @@ def gat_attention_backward(grad_out: Tensor, rowptr: Tensor, col: Tensor,
         else:
             g_h_dst = (g_dst.unsqueeze(-1) * att_dst).view(h_dst.shape)
     g_x = g_w = None
-    if weight is not None:
-        g_x = g_h.flatten(1) @ weight  # (flatten: no -1 for 0 nodes)
-        g_w = g_h.flatten(1).t() @ x
+    if weight is not None:  # (x may be float32 beside a 16-bit weight)
+        g_x = (g_h.flatten(1) @ weight).to(x.dtype)  # (flatten: no -1 for 0 nodes)
+        g_w = g_h.flatten(1).t() @ _x_as_weight(x, weight)
         g_h = None
     g_bias = None
     if bias is not None:

@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/graph_task.h>
 
 #include <array>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -87,47 +88,64 @@ inline bool is_traced(const at::Tensor& t) {
       {c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
 }
 
-// The attention ops' out, which their backward reads (grad_i . out_i) and the
-// layers often return as it is: kept in saved_data instead of
-// save_for_backward, out of autograd's version check, so that an in-place op
-// on the layer's output (relu_, +=), which PyG's layers allow, makes
-// kept_output recompute it rather than the backward raise. (A torch.compile
-// trace sees the in-place op above functionalization, so traced tensors
-// take the same route.) Under saved-tensor hooks (activation checkpointing,
-// save_on_cpu), which must see every saved activation, out is saved as
-// usual. Returns what save_for_backward takes in out's place.
-inline at::Tensor keep_output(torch::autograd::AutogradContext* ctx,
-                              const at::Tensor& out) {
-  if (at::SavedTensorDefaultHooks::get_hooks().has_value()) return out;
-  ctx->saved_data["out"] = out.detach();  // shares out's version counter
-  ctx->saved_data["out_version"] = static_cast<int64_t>(out._version());
-  ctx->saved_data["out_traced"] = is_traced(out);
+// A tensor that a backward reads, kept in saved_data under `key` instead of
+// save_for_backward, out of autograd's version check: the attention ops' out,
+// which the layers often return as it is, so that an in-place op on the
+// layer's output (relu_, +=), which PyG's layers allow, makes kept_tensor
+// recompute it rather than the backward raise (a torch.compile trace sees
+// the in-place op above functionalization, so traced tensors take the same
+// route); and gat_attention's h, so that its backward can free h once the
+// attention part is done. Under saved-tensor hooks (activation
+// checkpointing, save_on_cpu), which must see every saved activation, t is
+// saved as usual. Returns what save_for_backward takes in t's place.
+inline at::Tensor keep_tensor(torch::autograd::AutogradContext* ctx,
+                              const std::string& key, const at::Tensor& t) {
+  if (at::SavedTensorDefaultHooks::get_hooks().has_value()) return t;
+  ctx->saved_data[key] = t.detach();  // shares t's version counter
+  ctx->saved_data[key + "_version"] = static_cast<int64_t>(t._version());
+  ctx->saved_data[key + "_traced"] = is_traced(t);
   return at::Tensor();
 }
 
-// In the backward: out as the forward made it (`saved`: keep_output's result
-// as saved), recomputed by `recompute` (the forward op again; its kernels are
-// deterministic, so the bits are the forward's) when it changed in place
-// since. A tensor traced here but not in the forward is compiled autograd's
-// proxy, whose version says nothing: recomputed too.
+inline at::Tensor keep_output(torch::autograd::AutogradContext* ctx,
+                              const at::Tensor& out) {
+  return keep_tensor(ctx, "out", out);
+}
+
+// In the backward: the kept tensor as the forward made it (`saved`:
+// keep_tensor's result as saved), recomputed by `recompute` (its kernels
+// are deterministic, so the bits are the forward's) when it changed in
+// place since. A tensor traced here but not in the forward is compiled
+// autograd's proxy, whose version says nothing: recomputed too (`proxy`,
+// when given, tells the caller). Released from the context unless the graph
+// is kept, as autograd releases saved variables.
 template <typename Recompute>
-at::Tensor kept_output(torch::autograd::AutogradContext* ctx,
-                       const at::Tensor& saved, Recompute&& recompute) {
+at::Tensor kept_tensor(torch::autograd::AutogradContext* ctx,
+                       const std::string& key, const at::Tensor& saved,
+                       Recompute&& recompute, bool* proxy_out = nullptr) {
+  if (proxy_out) *proxy_out = false;
   if (saved.defined()) return saved;
-  const auto it = ctx->saved_data.find("out");
+  const auto it = ctx->saved_data.find(key);
   PFA_CHECK(it != ctx->saved_data.end(),
             "the attention output was already released: call backward "
             "with retain_graph=True to backward twice");
-  at::Tensor out = it->second.toTensor();
+  at::Tensor t = it->second.toTensor();
   const bool proxy =
-      is_traced(out) && !ctx->saved_data["out_traced"].toBool();
-  if (proxy || out._version() != ctx->saved_data["out_version"].toInt()) {
+      is_traced(t) && !ctx->saved_data[key + "_traced"].toBool();
+  if (proxy || t._version() != ctx->saved_data[key + "_version"].toInt()) {
     at::AutoDispatchBelowADInplaceOrView guard;
-    out = recompute();
+    t = recompute();
   }
   if (!proxy && !torch::autograd::get_current_graph_task_keep_graph())
-    ctx->saved_data.erase(it);  // as autograd releases saved variables
-  return out;
+    ctx->saved_data.erase(it);
+  if (proxy_out) *proxy_out = proxy;
+  return t;
+}
+
+template <typename Recompute>
+at::Tensor kept_output(torch::autograd::AutogradContext* ctx,
+                       const at::Tensor& saved, Recompute&& recompute) {
+  return kept_tensor(ctx, "out", saved, std::forward<Recompute>(recompute));
 }
 
 // The gradients of a backward as they are under create_graph (grad mode on

@@ -7,6 +7,7 @@
 // (C++, so forward and backward cost no Python), with a Python twin in gat.py
 // for builds without this extension.
 #include <torch/autograd.h>
+#include <torch/version.h>
 
 #include <array>
 
@@ -124,6 +125,28 @@ OptTensor opt(const at::Tensor& t) {
   return t.defined() && t.dim() > 1 ? OptTensor(t) : c10::nullopt;
 }
 
+// x in float32 beside a float16/bfloat16 weight (what autocast passes, see
+// PFA_REGISTER_AUTOCAST_KEEP below): the op casts x itself, and x's
+// gradient comes back in float32.
+bool mixed_x(const at::Tensor& x, const at::Tensor& weight) {
+  return x.scalar_type() == at::kFloat &&
+         (weight.scalar_type() == at::kHalf ||
+          weight.scalar_type() == at::kBFloat16);
+}
+
+// x in weight's dtype.
+at::Tensor x_as_weight(const at::Tensor& x, const at::Tensor& weight) {
+  return x.scalar_type() == weight.scalar_type()
+             ? x
+             : x.to(weight.scalar_type());
+}
+
+// h = x @ weight.t() as [Ns, H, C].
+at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t H,
+                   int64_t C) {
+  return x_as_weight(x, weight).mm(weight.t()).view({-1, H, C});
+}
+
 void check_gat(const OptTensor& x, const OptTensor& weight,
                const OptTensor& h_src, const at::Tensor& att_src,
                const OptTensor& h_dst, const at::Tensor& att_dst,
@@ -140,7 +163,7 @@ void check_gat(const OptTensor& x, const OptTensor& weight,
               "`h_src`, and dst_is_src=True");
     check_float(*x, "x", 2);
     check_float(*weight, "weight", 2);
-    check_same_dtype(*x, *weight, "x", "weight");
+    if (!mixed_x(*x, *weight)) check_same_dtype(*x, *weight, "x", "weight");
     PFA_CHECK(weight->size(0) == HC && weight->size(1) == x->size(1),
               "`weight` must have shape [H * C, F] = [", HC, ", ", x->size(1),
               "], got ", weight->sizes());
@@ -176,7 +199,7 @@ gat_attention(const at::Tensor& rowptr, const at::Tensor& col,
   const LengthHintGuard hint(max_row_len, max_col_len);
   const int64_t H = att_src.size(1), C = att_src.size(2), HC = H * C;
   const at::Tensor h = weight.has_value()
-                           ? x->mm(weight->t()).view({-1, H, C})
+                           ? project(*x, *weight, H, C)
                            : h_src->reshape({-1, H, C}).contiguous();
   const int64_t Ns = h.size(0);
   at::Tensor a_src, a_dst;
@@ -198,15 +221,26 @@ gat_attention(const at::Tensor& rowptr, const at::Tensor& col,
           a_dst.defined() ? a_dst : none_like(h)};
 }
 
-// Gradients of (x, weight, h_src, att_src, h_dst, att_dst, a_edge, bias);
-// an empty tensor where output_mask is false or the input was None.
+// The backward in two parts: backward_values reads h (the attention
+// backward and the score terms), backward_inputs does not (the GEMMs of x
+// and weight, the bias), so that the autograd kernel can free h between
+// them. The op gat_attention_backward runs both.
 //
 // With `weight`, no gradient for x and F <= 2 * H * C, the score terms'
 // gradient goes through x: M = x.t() @ g_a [F, 2H] gives grad_weight =
 // g_h.t() @ x + B @ M.t() and grad_att from weight @ M; one GEMM reading x
 // replaces h.t() @ g_a and the update g_h += g_a @ B.t(). Small h (at most
 // kGatScoreThroughXElems) takes the score kernel instead.
-std::vector<at::Tensor> gat_attention_backward(
+struct ValueGrads {
+  at::Tensor g_h;  // [Ns, H, C]; with the score terms unless through_x
+  at::Tensor g_z;  // a_edge's gradient (CSR order) when wanted
+  at::Tensor g_a;  // through_x: the score terms' gradient [Ns, 2H]
+  at::Tensor g_h_dst, g_att_src, g_att_dst;
+  at::TensorOptions h_options;  // of the absent gradients (1-D and empty)
+  bool through_x = false;
+};
+
+ValueGrads backward_values(
     const at::Tensor& grad_out, const at::Tensor& rowptr, const at::Tensor& col,
     const at::Tensor& colptr, const at::Tensor& csc_row,
     const at::Tensor& csc_perm, const at::Tensor& csc_inv, const OptTensor& x,
@@ -214,12 +248,11 @@ std::vector<at::Tensor> gat_attention_backward(
     const OptTensor& h_dst, const at::Tensor& att_dst, const at::Tensor& a_src,
     const at::Tensor& a_dst_, const OptTensor& a_edge, const OptTensor& mask,
     const OptTensor& bias, const at::Tensor& out, const at::Tensor& lse,
-    double negative_slope, bool dst_is_src, std::array<bool, 8> output_mask,
-    int64_t max_row_len, int64_t max_col_len) {
-  const LengthHintGuard hint(max_row_len, max_col_len);
+    double negative_slope, bool dst_is_src,
+    const std::array<bool, 8>& output_mask) {
   const int64_t H = att_src.size(1), C = att_src.size(2), HC = H * C;
   const int64_t Ns = h.size(0);
-  const bool need_x = output_mask[0], need_w = output_mask[1],
+  const bool need_x = output_mask[0],
              need_edge = output_mask[6] && a_edge.has_value();
   const OptTensor a_dst = opt(a_dst_);
   // The ops below run under no autograd (no double backward): skip their
@@ -231,67 +264,118 @@ std::vector<at::Tensor> gat_attention_backward(
   at::Tensor g_dst;  // CSR row sums; csc_inv maps CSR positions to CSC order
   if (a_dst.has_value())
     g_dst = call_segment_sum(rowptr, need_edge ? OptTensor() : OptTensor(csc_inv), g_z);
-  if (!need_edge) g_z = at::Tensor();  // free before the GEMMs
+  ValueGrads r;
+  r.h_options = h.options();
+  r.g_z = need_edge ? g_z : at::Tensor();
+  g_z = at::Tensor();  // free before the GEMMs
   at::Tensor g_h2 = g_h.view({Ns, HC});
-  at::Tensor g_x, g_w, g_h_dst, g_att_src, g_att_dst;
   const bool kernel = dst_is_src && g_h.is_contiguous() &&
                       score_kernel(h, att_src, att_dst);
-  const bool through_x = weight.has_value() && !need_x &&
-                         x->size(1) <= 2 * HC &&
-                         !(kernel && h.numel() <= kGatScoreThroughXElems);
-  if (kernel && !through_x) {
+  r.through_x = weight.has_value() && !need_x && x->size(1) <= 2 * HC &&
+                !(kernel && h.numel() <= kGatScoreThroughXElems);
+  if (kernel && !r.through_x) {
 #ifdef PFA_WITH_CUDA
-    std::tie(g_att_src, g_att_dst) = cuda::gat_score_backward_cuda(
+    std::tie(r.g_att_src, r.g_att_dst) = cuda::gat_score_backward_cuda(
         h, g_h, g_src, g_dst, att_src, att_dst);
 #endif
-    if (weight.has_value()) {
-      if (need_x) g_x = g_h2.mm(*weight);
-      if (need_w) g_w = g_h2.t().mm(*x);
-    }
   } else if (dst_is_src) {
-    const at::Tensor B = score_weight(at::cat({att_src, att_dst}));
     const at::Tensor g_a = at::cat({g_src, g_dst}, 1);
-    at::Tensor P;
-    // Through x when x is no wider than about h: a wide x (Cora's 1433
-    // features) costs more to read than g_h's update.
-    if (through_x) {
-      const at::Tensor M = x->t().mm(g_a);
-      if (need_w) g_w = g_h2.t().mm(*x).addmm_(B, M.t());
-      P = weight->mm(M);
+    if (r.through_x) {
+      r.g_a = g_a;
     } else {
-      g_h2.addmm_(g_a, B.t());
-      P = flat(h).t().mm(g_a);
-      if (weight.has_value()) {
-        if (need_x) g_x = g_h2.mm(*weight);
-        if (need_w) g_w = g_h2.t().mm(*x);
-      }
+      g_h2.addmm_(g_a, score_weight(at::cat({att_src, att_dst})).t());
+      const at::Tensor P = flat(h).t().mm(g_a);
+      // two outputs with storage of their own (compilers reuse output buffers)
+      r.g_att_src = score_weight_grad(P, H, C, 2, 0);
+      r.g_att_dst = score_weight_grad(P, H, C, 2, 1);
     }
-    // two outputs with storage of their own (compilers reuse output buffers)
-    g_att_src = score_weight_grad(P, H, C, 2, 0);
-    g_att_dst = score_weight_grad(P, H, C, 2, 1);
   } else {
     g_h2.addmm_(g_src, score_weight(att_src).t());
-    g_att_src = score_weight_grad(flat(h).t().mm(g_src), H, C, 1, 0);
+    r.g_att_src = score_weight_grad(flat(h).t().mm(g_src), H, C, 1, 0);
     if (g_dst.defined()) {
-      g_h_dst = g_dst.mm(score_weight(att_dst).t()).view(h_dst->sizes());
-      g_att_dst = score_weight_grad(flat(*h_dst).t().mm(g_dst), H, C, 1, 0);
+      r.g_h_dst = g_dst.mm(score_weight(att_dst).t()).view(h_dst->sizes());
+      r.g_att_dst = score_weight_grad(flat(*h_dst).t().mm(g_dst), H, C, 1, 0);
     }
+  }
+  r.g_h = g_h;
+  return r;
+}
+
+// x's gradient g_h @ weight in x's dtype (float32 from a 16-bit weight:
+// the GEMM writes float32 itself where it can).
+at::Tensor grad_x(const at::Tensor& g_h, const at::Tensor& weight,
+                  at::ScalarType dtype) {
+  if (dtype == weight.scalar_type()) return g_h.mm(weight);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+  if (g_h.is_cuda()) return at::mm(g_h, weight, dtype);
+#endif
+  return g_h.mm(weight).to(dtype);
+}
+
+// Gradients of (x, weight, h_src, att_src, h_dst, att_dst, a_edge, bias);
+// an empty tensor where output_mask is false or the input was None. (`v`'s
+// g_h is moved out.)
+std::vector<at::Tensor> backward_inputs(
+    ValueGrads& v, const at::Tensor& grad_out, const OptTensor& x,
+    const OptTensor& weight, const at::Tensor& att_src,
+    const at::Tensor& att_dst, const OptTensor& bias,
+    const std::array<bool, 8>& output_mask) {
+  const int64_t H = att_src.size(1), C = att_src.size(2), HC = H * C;
+  const bool need_x = output_mask[0], need_w = output_mask[1];
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  at::Tensor g_h = std::move(v.g_h);
+  at::Tensor g_x, g_w;
+  if (weight.has_value()) {
+    const at::Tensor g_h2 = g_h.view({g_h.size(0), HC});
+    at::Tensor xw = x_as_weight(*x, *weight);  // (a cast when x is mixed)
+    if (v.through_x) {
+      const at::Tensor M = xw.t().mm(v.g_a);
+      if (need_w)
+        g_w = g_h2.t().mm(xw).addmm_(
+            score_weight(at::cat({att_src, att_dst})), M.t());
+      const at::Tensor P = weight->mm(M);
+      v.g_att_src = score_weight_grad(P, H, C, 2, 0);
+      v.g_att_dst = score_weight_grad(P, H, C, 2, 1);
+    } else if (need_w) {
+      g_w = g_h2.t().mm(xw);
+    }
+    xw = at::Tensor();  // free a cast of x before g_x
+    if (need_x) g_x = grad_x(g_h2, *weight, x->scalar_type());
   }
   at::Tensor g_bias;
   if (output_mask[7] && bias.has_value())  // the column sum
     g_bias = column_sum(grad_out.reshape({-1, HC})).view(bias->sizes());
-  const at::Tensor e = none_like(h);
+  const at::Tensor e = at::empty({0}, v.h_options);
   auto or_empty = [&](const at::Tensor& t, bool want) {
     return want && t.defined() ? t : e;
   };
   return {or_empty(g_x, need_x),
           or_empty(g_w, need_w),
           or_empty(weight.has_value() ? at::Tensor() : g_h, output_mask[2]),
-          or_empty(g_att_src, output_mask[3]),
-          or_empty(g_h_dst, output_mask[4]),
-          or_empty(g_att_dst, output_mask[5]),
-          or_empty(need_edge ? g_z : at::Tensor(), output_mask[6]),
+          or_empty(v.g_att_src, output_mask[3]),
+          or_empty(v.g_h_dst, output_mask[4]),
+          or_empty(v.g_att_dst, output_mask[5]),
+          or_empty(v.g_z, output_mask[6]),
           or_empty(g_bias, output_mask[7])};
+}
+
+std::vector<at::Tensor> gat_attention_backward(
+    const at::Tensor& grad_out, const at::Tensor& rowptr, const at::Tensor& col,
+    const at::Tensor& colptr, const at::Tensor& csc_row,
+    const at::Tensor& csc_perm, const at::Tensor& csc_inv, const OptTensor& x,
+    const OptTensor& weight, const at::Tensor& h, const at::Tensor& att_src,
+    const OptTensor& h_dst, const at::Tensor& att_dst, const at::Tensor& a_src,
+    const at::Tensor& a_dst, const OptTensor& a_edge, const OptTensor& mask,
+    const OptTensor& bias, const at::Tensor& out, const at::Tensor& lse,
+    double negative_slope, bool dst_is_src, std::array<bool, 8> output_mask,
+    int64_t max_row_len, int64_t max_col_len) {
+  const LengthHintGuard hint(max_row_len, max_col_len);
+  ValueGrads v = backward_values(
+      grad_out, rowptr, col, colptr, csc_row, csc_perm, csc_inv, x, weight, h,
+      att_src, h_dst, att_dst, a_src, a_dst, a_edge, mask, bias, out, lse,
+      negative_slope, dst_is_src, output_mask);
+  return backward_inputs(v, grad_out, x, weight, att_src, att_dst, bias,
+                         output_mask);
 }
 
 using Outputs5 =
@@ -374,7 +458,8 @@ class GATAttentionFunction
     auto val = [](const OptTensor& t) { return t.has_value() ? *t : at::Tensor(); };
     ctx->save_for_backward(
         {rowptr, col, colptr, csc_row, csc_perm, csc_inv, val(x), val(weight),
-         weight.has_value() ? h : val(h_src), att_src, val(h_dst), att_dst,
+         weight.has_value() ? keep_tensor(ctx, "h", h) : val(h_src), att_src,
+         val(h_dst), att_dst,
          a_src, a_dst, val(a_edge), val(mask), val(bias),
          keep_output(ctx, out), lse});
     ctx->saved_data["slope"] = slope;
@@ -402,8 +487,36 @@ class GATAttentionFunction
           s[0], s[1], s[2], s[3], s[4], s[5], o(6), o(7), h_src, s[9], o(10),
           s[11], o(14), o(15), o(16), slope, dst_is_src, max_row, max_col));
     });
-    const auto g = call_gat_attention_backward(
-        grads[0], s, slope, dst_is_src, output_mask, max_row, max_col);
+    // h computed from x: kept out of save_for_backward (keep_tensor), so
+    // that it is freed between the two parts of the backward below (unless
+    // the graph is kept), before the GEMMs of x and weight.
+    bool proxy = false;
+    if (s[7].defined()) {
+      const int64_t H = s[9].size(1), C = s[9].size(2);
+      s[8] = kept_tensor(ctx, "h", s[8],
+                         [&] { return project(s[6], s[7], H, C); }, &proxy);
+    }
+    // Traced (torch.compile, compiled autograd) or batched (vmap) tensors
+    // take the op, one node with its own batching rule.
+    bool plain = !proxy;
+    for (const at::Tensor& t : s)
+      plain = plain && (!t.defined() || (t.has_storage() && !is_traced(t)));
+    plain = plain && grads[0].has_storage() && !is_traced(grads[0]);
+    std::vector<at::Tensor> g;
+    if (!plain) {
+      g = call_gat_attention_backward(grads[0], s, slope, dst_is_src,
+                                      output_mask, max_row, max_col);
+    } else {
+      const LengthHintGuard hint(max_row, max_col);
+      auto o = [&](size_t i) { return defined_or_none(s[i]); };
+      ValueGrads v = backward_values(
+          grads[0], s[0], s[1], s[2], s[3], s[4], s[5], o(6), o(7), s[8],
+          s[9], o(10), s[11], s[12], s[13], o(14), o(15), o(16), s[17], s[18],
+          slope, dst_is_src, output_mask);
+      s[8] = at::Tensor();
+      g = backward_inputs(v, grads[0], o(6), o(7), s[9], s[11], o(16),
+                          output_mask);
+    }
     // (an absent gradient is none_like's 1-D empty tensor; an input with
     // no rows, x of a graph without nodes, gets its empty gradient, as
     // autograd gives PyG's layer)
@@ -449,4 +562,4 @@ TORCH_LIBRARY_IMPL(pyg_fastattn, CUDA, m) {
 }
 #endif
 
-PFA_REGISTER_AUTOCAST("gat_attention")
+PFA_REGISTER_AUTOCAST_KEEP("gat_attention", 6, 7)  // x beside weight

@@ -10,7 +10,8 @@ from . import _lib
 from .csr import CSC, maybe_csc
 
 # Per edge e = (j -> i) and head h, with h_src = x @ weight.t() when weight
-# is given:  a_src[j] = <h_src[j, h], att_src[0, h]>, a_dst[i] likewise from
+# is given (x may be float32 beside a float16/bfloat16 weight, as autocast
+# passes it: x is cast inside, its gradient is float32):  a_src[j] = <h_src[j, h], att_src[0, h]>, a_dst[i] likewise from
 # h_dst (or from h_src with dst_is_src; absent when neither), then
 # ``attention`` with values h_src and the bias added in its store.
 # Returns (out [N, H, C], lse [N, H] float32/64, h_src [Ns, H, C] when
@@ -45,13 +46,13 @@ def _fake(rowptr, col, colptr, csc_row, csc_perm, csc_inv, x, weight, h_src,
     _, H, C = att_src.shape
     src = x if weight is not None else h_src
     Ns, N = src.shape[0], rowptr.shape[0] - 1
-    dt = src.dtype
-    out = src.new_empty((N, H, C))
+    dt = weight.dtype if weight is not None else src.dtype  # (x may be mixed)
+    out = src.new_empty((N, H, C), dtype=dt)
     lse = src.new_empty((N, H), dtype=_opmath(dt))
-    h = src.new_empty((Ns, H, C) if weight is not None else (0, ))
+    h = src.new_empty((Ns, H, C) if weight is not None else (0, ), dtype=dt)
     has_dst = dst_is_src or h_dst is not None
-    return (out, lse, h, src.new_empty((Ns, H)),
-            src.new_empty((N, H) if has_dst else (0, )))
+    return (out, lse, h, src.new_empty((Ns, H), dtype=dt),
+            src.new_empty((N, H) if has_dst else (0, ), dtype=dt))
 
 
 def _fake_backward(grad_out, rowptr, col, colptr, csc_row, csc_perm, csc_inv,
