@@ -248,6 +248,139 @@ def test_gat_attention_gradcheck(backend, device, mode):
                   att_src, bias)
 
 
+HALF = [('cpu', torch.bfloat16)] + [
+    pytest.param('cuda', dt, marks=[pytest.mark.cuda, requires_cuda])
+    for dt in (torch.bfloat16, torch.float16)]
+
+
+def _gat_lin_case(device, dtype, x_grad=True):
+    """gat_attention computing h from x: the graph and 16-bit leaves (weight,
+    att_src, att_dst, bias) of dtype, a float32 x, an upstream gradient."""
+    torch.manual_seed(0)
+    t = _inputs(device, torch.int32, grad=False)
+    rowptr, col, N, H, C = t['rowptr'], t['col'], t['N'], t['H'], t['C']
+    csc = ops.csr_to_csc(rowptr, col, N)
+    d = dict(dtype=dtype, device=device, requires_grad=True)
+    leaves = [torch.randn(H * C, 5, **d), torch.randn(1, H, C, **d),
+              torch.randn(1, H, C, **d), torch.randn(H * C, **d)]
+    x = torch.randn(N, 5, device=device, requires_grad=x_grad)
+    g = torch.randn(N, H, C, device=device, dtype=dtype)
+
+    def run(x, w, a, b, bias, mask=t['mask'].to(dtype)):
+        return ops.gat_attention(rowptr, col, csc, None, a, None, b, None,
+                                 mask, 0.2, dst_is_src=True, bias=bias, x=x,
+                                 weight=w)
+    return run, x, leaves, g
+
+
+@pytest.mark.parametrize('device,dtype', HALF)
+@pytest.mark.parametrize('x_grad', [True, False])
+def test_gat_attention_float32_x_beside_half_weight(backend, device, dtype,
+                                                    x_grad):
+    """gat_attention takes x in float32 beside a 16-bit weight (autocast
+    leaves x so: the op casts it, and no cast of x or of its gradient
+    outlives the op): the output and the weights' gradients are those of x
+    cast first, x's gradient comes back in float32 (on CUDA written so by
+    the GEMM: within rounding of the cast one)."""
+    run, x, leaves, g = _gat_lin_case(device, dtype, x_grad)
+    out = run(x, *leaves)
+    out.backward(g)
+    got = [t.grad for t in leaves]
+    x16 = x.detach().to(dtype).requires_grad_(x_grad)
+    for t in leaves:
+        t.grad = None
+    ref = run(x16, *leaves)
+    ref.backward(g)
+    assert out.dtype == dtype and torch.equal(out, ref)
+    assert all(torch.equal(a, t.grad) for a, t in zip(got, leaves))
+    if x_grad:
+        assert x.grad.dtype == torch.float32
+        torch.testing.assert_close(x.grad, x16.grad.float(), rtol=1e-2,
+                                   atol=1e-2)
+        if device == 'cpu':
+            assert torch.equal(x.grad, x16.grad.float())
+    torch.library.opcheck(_lib.op('gat_attention'),
+                          _mixed_args(run, x, leaves))
+    with pytest.raises(RuntimeError, match='dtype'):
+        run(x.detach().double(), *leaves)
+
+
+def _mixed_args(run, x, leaves):
+    """The op's positional arguments of ``run(x, *leaves)``."""
+    seen = {}
+
+    class Grab(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.name() == 'pyg_fastattn::gat_attention':
+                seen.setdefault('args', args)
+            return func(*args, **(kwargs or {}))
+    with Grab():
+        run(x.detach(), *[t.detach() for t in leaves])
+    return seen['args']
+
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_gat_attention_h_changed_in_place(backend, device):
+    """The op's h output (kept for its backward out of autograd's version
+    check, and freed between the backward's parts) changed in place before
+    the backward: the backward recomputes h, gradients as without."""
+    run, x, leaves, g = _gat_lin_case(device, torch.float32)
+    grads = []
+    for touch in (False, True):
+        for t in [x] + leaves:
+            t.grad = None
+        with _GrabOutputs() as grab:
+            out = run(x, *leaves)
+        if touch:
+            grab.outputs[2].add_(1.0)
+        out.backward(g)
+        grads.append([t.grad.clone() for t in [x] + leaves])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+class _GrabOutputs(torch.utils._python_dispatch.TorchDispatchMode):
+    """The outputs of the first pyg_fastattn::gat_attention call below it."""
+    outputs = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.name() == 'pyg_fastattn::gat_attention' and not self.outputs:
+            self.outputs = out
+        return out
+
+
+@pytest.mark.parametrize('device', CUDA_ONLY)
+@pytest.mark.parametrize('dtype', [torch.float32, torch.bfloat16])
+def test_gat_layer_memory_peak(device, dtype):
+    """Forward+backward of a layer whose x needs its gradient, in float32
+    and under autocast (x float32): the backward frees h before the GEMMs of
+    x and weight, and autocast keeps no cast of x for the backward, so at
+    most three [N, H * C] tensors (h or g_h, out, g_h) or out, g_h and x's
+    float32 gradient are live at once, besides the small per-node and
+    per-edge ones (they were four and five: 2,060 and 1,282 MiB at 1M /
+    20M in RESULTS.md)."""
+    torch.manual_seed(0)
+    N, F_in, H, C = 200_000, 64, 2, 32
+    ei = torch.stack([torch.arange(N, device=device),
+                      torch.randint(0, N, (N, ), device=device)])
+    g = prepare(ei, num_nodes=N)
+    conv = FastGATConv(F_in, C, heads=H).to(device)
+    x = torch.randn(N, F_in, device=device, requires_grad=True)
+    grad = torch.randn(N, H * C, device=device, dtype=dtype)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+        out = conv(x, g)
+    out.backward(grad)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    unit = N * H * C * grad.element_size()
+    bound = max(3 * unit, 2 * unit + N * F_in * 4) + unit // 2
+    assert peak <= bound, (peak / unit, bound / unit)
+    assert x.grad.dtype == torch.float32
+
+
 # torch.compile (inductor) against eager #####################################
 
 

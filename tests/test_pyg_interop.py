@@ -751,7 +751,11 @@ def test_in_place_op_on_the_output(backend, device, name, kw, op, how):
     with _OpNames() as seen:
         out.pow(2).sum().backward()
     assert f'pyg_fastattn::{op}' not in seen.names
-    assert f'pyg_fastattn::{op}_backward' in seen.names
+    # its backward only (gat_attention's C++ autograd runs the op's two
+    # parts itself, freeing h between them: the attention part shows)
+    assert (f'pyg_fastattn::{op}_backward' in seen.names
+            or op == 'gat_attention'
+            and 'pyg_fastattn::attention_backward' in seen.names)
 
     # the recomputed output is the forward's: bit for bit out of place
     # (where the kernels are deterministic: not the reference's index_add
