@@ -7,7 +7,6 @@
 // (C++, so forward and backward cost no Python), with a Python twin in gat.py
 // for builds without this extension.
 #include <torch/autograd.h>
-#include <torch/version.h>
 
 #include <array>
 
@@ -302,13 +301,20 @@ ValueGrads backward_values(
 }
 
 // x's gradient g_h @ weight in x's dtype (float32 from a 16-bit weight:
-// the GEMM writes float32 itself where it can).
+// on CUDA the GEMM writes float32 itself, through aten::mm.dtype where this
+// torch has it).
 at::Tensor grad_x(const at::Tensor& g_h, const at::Tensor& weight,
                   at::ScalarType dtype) {
   if (dtype == weight.scalar_type()) return g_h.mm(weight);
-#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
-  if (g_h.is_cuda()) return at::mm(g_h, weight, dtype);
-#endif
+  if (g_h.is_cuda()) {
+    static const auto mm_dtype =
+        c10::Dispatcher::singleton().findOp({"aten::mm", "dtype"});
+    if (mm_dtype.has_value())
+      return mm_dtype
+          ->typed<at::Tensor(const at::Tensor&, const at::Tensor&,
+                             at::ScalarType)>()
+          .call(g_h, weight, dtype);
+  }
   return g_h.mm(weight).to(dtype);
 }
 
