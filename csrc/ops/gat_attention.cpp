@@ -270,6 +270,8 @@ ValueGrads backward_values(
   at::Tensor g_h2 = g_h.view({Ns, HC});
   const bool kernel = dst_is_src && g_h.is_contiguous() &&
                       score_kernel(h, att_src, att_dst);
+  // Through x when x is no wider than about h: a wide x (Cora's 1433
+  // features) costs more to read than g_h's update.
   r.through_x = weight.has_value() && !need_x && x->size(1) <= 2 * HC &&
                 !(kernel && h.numel() <= kGatScoreThroughXElems);
   if (kernel && !r.through_x) {
