@@ -338,6 +338,36 @@ def test_gat_attention_h_changed_in_place(backend, device):
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('retain', [False, True])
+def test_gat_backward_frees_h_before_its_gemms(backend, device, retain):
+    """h (x @ W.t(), made and kept by the op) is gone when the backward's
+    last GEMM (x's gradient) runs, unless the graph is kept; the backward
+    of a kept graph runs again with the same gradients."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    run, x, leaves, g = _gat_lin_case(device, torch.float32)
+    with _GrabOutputs() as grab:
+        out = run(x, *leaves)
+    h = StorageWeakRef(grab.outputs[2].untyped_storage())
+    grab.outputs = None
+
+    class AtEachMm(torch.utils._python_dispatch.TorchDispatchMode):
+        expired = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.name() == 'aten::mm':
+                self.expired.append(h.expired())
+            return func(*args, **(kwargs or {}))
+    with AtEachMm() as seen:
+        out.backward(g, retain_graph=retain)
+    assert seen.expired and seen.expired[-1] is not retain
+    first = x.grad.clone()
+    if retain:
+        x.grad = None
+        out.backward(g)
+        assert torch.equal(x.grad, first)
+
+
 class _GrabOutputs(torch.utils._python_dispatch.TorchDispatchMode):
     """The outputs of the first pyg_fastattn::gat_attention call below it."""
     outputs = None
