@@ -299,24 +299,11 @@ def test_gat_attention_float32_x_beside_half_weight(backend, device, dtype,
                                    atol=1e-2)
         if device == 'cpu':
             assert torch.equal(x.grad, x16.grad.float())
-    torch.library.opcheck(_lib.op('gat_attention'),
-                          _mixed_args(run, x, leaves))
+    with _GrabOutputs() as grab:  # the op's arguments of this call
+        run(x.detach(), *[t.detach() for t in leaves])
+    torch.library.opcheck(_lib.op('gat_attention'), grab.args)
     with pytest.raises(RuntimeError, match='dtype'):
         run(x.detach().double(), *leaves)
-
-
-def _mixed_args(run, x, leaves):
-    """The op's positional arguments of ``run(x, *leaves)``."""
-    seen = {}
-
-    class Grab(torch.utils._python_dispatch.TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func.name() == 'pyg_fastattn::gat_attention':
-                seen.setdefault('args', args)
-            return func(*args, **(kwargs or {}))
-    with Grab():
-        run(x.detach(), *[t.detach() for t in leaves])
-    return seen['args']
 
 
 @pytest.mark.parametrize('device', DEVICES)
@@ -369,13 +356,14 @@ def test_gat_backward_frees_h_before_its_gemms(backend, device, retain):
 
 
 class _GrabOutputs(torch.utils._python_dispatch.TorchDispatchMode):
-    """The outputs of the first pyg_fastattn::gat_attention call below it."""
-    outputs = None
+    """The arguments and outputs of the first pyg_fastattn::gat_attention
+    call below it."""
+    args = outputs = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.name() == 'pyg_fastattn::gat_attention' and not self.outputs:
-            self.outputs = out
+            self.args, self.outputs = args, out
         return out
 
 

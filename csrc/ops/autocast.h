@@ -10,7 +10,6 @@
 
 namespace pyg_fastattn {
 
-//
 // kKeep >= 0: argument kKeep stays float32 where argument kIf is a tensor
 // (gat_attention's x beside its weight: the op casts x itself, so that
 // neither the cast nor the gradient's cast back outlives the op).

@@ -11,7 +11,8 @@ from .csr import CSC, maybe_csc
 
 # Per edge e = (j -> i) and head h, with h_src = x @ weight.t() when weight
 # is given (x may be float32 beside a float16/bfloat16 weight, as autocast
-# passes it: x is cast inside, its gradient is float32):  a_src[j] = <h_src[j, h], att_src[0, h]>, a_dst[i] likewise from
+# passes it: x is cast inside, its gradient is float32):
+# a_src[j] = <h_src[j, h], att_src[0, h]>, a_dst[i] likewise from
 # h_dst (or from h_src with dst_is_src; absent when neither), then
 # ``attention`` with values h_src and the bias added in its store.
 # Returns (out [N, H, C], lse [N, H] float32/64, h_src [Ns, H, C] when
