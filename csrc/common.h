@@ -81,12 +81,6 @@ constexpr int64_t kSplitChunk = 2048;
 // the backward's column sums take at least kGatScoreRows rows per block.
 constexpr int64_t kGatScoreKernelElems = int64_t(1) << 24;
 constexpr int64_t kGatScoreRows = 64;
-// Its backward's blocks: up to kGatScoreBwdColumns threads across the
-// columns of h, rows across the rest of kGatScoreBwdThreads, and at most
-// kGatScoreBwdBlocksPerSm blocks per SM (each writes one partial per column).
-constexpr int kGatScoreBwdThreads = 512;
-constexpr int kGatScoreBwdColumns = 256;
-constexpr int kGatScoreBwdBlocksPerSm = 2;
 // When x needs no gradient the backward can fold the score terms' gradient
 // through x (three more GEMMs and five helpers, less device traffic); up to
 // this many elements of h it takes the score kernel instead (host-bound

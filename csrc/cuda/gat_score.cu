@@ -11,8 +11,7 @@ namespace pyg_fastattn {
 namespace cuda {
 namespace {
 
-// One thread per (n, h) pair (grid-stride): the two dot products over C in
-// order (heads whose C does not divide 32).
+// One thread per (n, h) pair (grid-stride): the two dot products over C.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kBlock)
     gat_score_kernel(const scalar_t* __restrict__ h,
@@ -38,51 +37,11 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
-// Heads whose C divides 32: one warp per row n (grid-stride),
-// lane l the columns j = j0 + l (j0 = 0, 32, ...; coalesced), then each
-// aligned group of C lanes (one head) sums by a fixed xor tree.
+// Block b takes rows [b * R, (b + 1) * R), thread t the columns j = t,
+// t + blockDim, ... of the flattened [N, H * C] rows: updates g_h in place
+// and writes its column partials part[b, k, j] (rows in order).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kBlock)
-    gat_score_warp_kernel(const scalar_t* __restrict__ h,
-                          const scalar_t* __restrict__ att_src,
-                          const scalar_t* __restrict__ att_dst, int64_t N,
-                          int H, int C, scalar_t* __restrict__ a_src,
-                          scalar_t* __restrict__ a_dst) {
-  using A = acc_t<scalar_t>;
-  const int lane = threadIdx.x % kWarp;
-  const int HC = H * C;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
-  for (int64_t n = (blockIdx.x * static_cast<int64_t>(blockDim.x) +
-                    threadIdx.x) / kWarp;
-       n < N; n += warps) {
-    const scalar_t* x = h + n * HC;
-    for (int j0 = 0; j0 < HC; j0 += kWarp) {
-      const int j = j0 + lane;
-      A s = A(0), d = A(0);
-      if (j < HC) {
-        const A v = to_acc(x[j]);
-        s = v * to_acc(att_src[j]);
-        d = v * to_acc(att_dst[j]);
-      }
-      for (int o = C / 2; o > 0; o /= 2) {
-        s += __shfl_xor_sync(kFullMask, s, o);
-        d += __shfl_xor_sync(kFullMask, d, o);
-      }
-      if (j < HC && lane % C == 0) {
-        a_src[n * H + j / C] = from_acc<scalar_t>(s);
-        a_dst[n * H + j / C] = from_acc<scalar_t>(d);
-      }
-    }
-  }
-}
-
-// Block b takes rows [b * R, (b + 1) * R) of the flattened [N, H * C] g_h
-// and h; thread (x, y) the columns j = j0 + x (j0 = 0, blockDim.x, ...) of
-// the rows r0 + y, r0 + y + blockDim.y, ... (four of them loaded before
-// any is used): updates g_h in place and writes its column partials
-// part[b, k, j], each y's sum taken in order, then the y's in order.
-template <typename scalar_t>
-__global__ void __launch_bounds__(kGatScoreBwdThreads, kGatScoreBwdBlocksPerSm)
     gat_score_bwd_kernel(const scalar_t* __restrict__ h,
                          scalar_t* __restrict__ g_h,
                          const scalar_t* __restrict__ g_src,
@@ -92,74 +51,40 @@ __global__ void __launch_bounds__(kGatScoreBwdThreads, kGatScoreBwdBlocksPerSm)
                          int64_t R, int H, int C,
                          acc_t<scalar_t>* __restrict__ part) {
   using A = acc_t<scalar_t>;
-  __shared__ A red[2][kGatScoreBwdThreads];
   const int64_t HC = static_cast<int64_t>(H) * C;
   const int64_t r0 = blockIdx.x * R;
   const int64_t r1 = r0 + R < N ? r0 + R : N;
-  const int tx = threadIdx.x, ty = threadIdx.y, t = ty * blockDim.x + tx;
-  for (int64_t j0 = 0; j0 < HC; j0 += blockDim.x) {
-    const int64_t j = j0 + tx;
+  for (int64_t j = threadIdx.x; j < HC; j += blockDim.x) {
+    const int64_t hh = j / C;
+    const A ws = to_acc(att_src[j]), wd = to_acc(att_dst[j]);
     A ps = A(0), pd = A(0);
-    if (j < HC) {
-      const int64_t hh = j / C;
-      const A ws = to_acc(att_src[j]), wd = to_acc(att_dst[j]);
-      const int64_t step = blockDim.y;
-      for (int64_t n = r0 + ty; n < r1; n += 4 * step) {
-        A gs[4], gd[4], x[4], g[4];
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {  // every load of the batch first
-          const int64_t m = n + u * step;
-          if (m < r1) {
-            gs[u] = to_acc(g_src[m * H + hh]);
-            gd[u] = to_acc(g_dst[m * H + hh]);
-            x[u] = to_acc(h[m * HC + j]);
-            g[u] = to_acc(g_h[m * HC + j]);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) {
-          const int64_t m = n + u * step;
-          if (m < r1) {
-            g_h[m * HC + j] = from_acc<scalar_t>(g[u] + gs[u] * ws + gd[u] * wd);
-            ps += x[u] * gs[u];
-            pd += x[u] * gd[u];
-          }
-        }
-      }
+    for (int64_t n = r0; n < r1; ++n) {
+      const A gs = to_acc(g_src[n * H + hh]), gd = to_acc(g_dst[n * H + hh]);
+      const A x = to_acc(h[n * HC + j]);
+      g_h[n * HC + j] =
+          from_acc<scalar_t>(to_acc(g_h[n * HC + j]) + gs * ws + gd * wd);
+      ps += x * gs;
+      pd += x * gd;
     }
-    red[0][t] = ps;
-    red[1][t] = pd;
-    __syncthreads();
-    if (ty == 0 && j < HC) {
-      for (int y = 1; y < static_cast<int>(blockDim.y); ++y) {
-        ps += red[0][y * blockDim.x + tx];
-        pd += red[1][y * blockDim.x + tx];
-      }
-      part[(blockIdx.x * 2) * HC + j] = ps;
-      part[(blockIdx.x * 2 + 1) * HC + j] = pd;
-    }
-    __syncthreads();
+    part[(blockIdx.x * 2) * HC + j] = ps;
+    part[(blockIdx.x * 2 + 1) * HC + j] = pd;
   }
 }
 
-// One warp per (k, j) (grid-stride over warps): lane l sums the partials of
-// blocks l, l + 32, ... in order, then a fixed shuffle tree (deterministic).
+// One thread per (k, j) (grid-stride): the sum of the blocks' partials in
+// block order.
 template <typename scalar_t>
 __global__ void __launch_bounds__(kBlock)
     gat_score_sum_kernel(const acc_t<scalar_t>* __restrict__ part, int nb,
                          int64_t HC, scalar_t* __restrict__ g_att_src,
                          scalar_t* __restrict__ g_att_dst) {
   using A = acc_t<scalar_t>;
-  const int lane = threadIdx.x % kWarp;
-  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / kWarp);
-  for (int64_t q = (blockIdx.x * static_cast<int64_t>(blockDim.x) +
-                    threadIdx.x) / kWarp;
-       q < 2 * HC; q += warps) {
+  for (int64_t q = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+       q < 2 * HC; q += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t k = q / HC, j = q % HC;
     A s = A(0);
-    for (int b = lane; b < nb; b += kWarp) s += part[(b * 2 + k) * HC + j];
-    for (int o = kWarp / 2; o > 0; o /= 2) s += __shfl_down_sync(kFullMask, s, o);
-    if (lane == 0) (k == 0 ? g_att_src : g_att_dst)[j] = from_acc<scalar_t>(s);
+    for (int b = 0; b < nb; ++b) s += part[(b * 2 + k) * HC + j];
+    (k == 0 ? g_att_src : g_att_dst)[j] = from_acc<scalar_t>(s);
   }
 }
 
@@ -186,16 +111,10 @@ std::tuple<at::Tensor, at::Tensor> gat_score_cuda(const at::Tensor& h,
   if (NH == 0) return {a_src, a_dst};
   const auto stream = at::cuda::getCurrentCUDAStream();
   PFA_DISPATCH_FLOATS(h.scalar_type(), "gat_score_cuda", [&] {
-    if (C <= kWarp && kWarp % C == 0)
-      gat_score_warp_kernel<scalar_t><<<blocks_of(N * kWarp), kBlock, 0, stream>>>(
-          h.const_data_ptr<scalar_t>(), ws.const_data_ptr<scalar_t>(),
-          wd.const_data_ptr<scalar_t>(), N, H, C, a_src.data_ptr<scalar_t>(),
-          a_dst.data_ptr<scalar_t>());
-    else
-      gat_score_kernel<scalar_t><<<blocks_of(NH), kBlock, 0, stream>>>(
-          h.const_data_ptr<scalar_t>(), ws.const_data_ptr<scalar_t>(),
-          wd.const_data_ptr<scalar_t>(), NH, H, C, a_src.data_ptr<scalar_t>(),
-          a_dst.data_ptr<scalar_t>());
+    gat_score_kernel<scalar_t><<<blocks_of(NH), kBlock, 0, stream>>>(
+        h.const_data_ptr<scalar_t>(), ws.const_data_ptr<scalar_t>(),
+        wd.const_data_ptr<scalar_t>(), NH, H, C, a_src.data_ptr<scalar_t>(),
+        a_dst.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
   return {a_src, a_dst};
@@ -217,31 +136,26 @@ std::tuple<at::Tensor, at::Tensor> gat_score_backward_cuda(
   if (HC == 0) return {ga_src, ga_dst};
   const at::Tensor ws = att_src.contiguous(), wd = att_dst.contiguous();
   const at::Tensor gs = g_src.contiguous(), gd = g_dst.contiguous();
-  // columns: up to kGatScoreBwdColumns threads, whole warps; rows: the rest
-  // of kGatScoreBwdThreads; rows per block: enough blocks to fill the GPU,
-  // at least kGatScoreRows
-  const int tx = static_cast<int>(
-      std::min<int64_t>(kGatScoreBwdColumns, ceil_div(HC, kWarp) * kWarp));
-  const int ty = std::max(1, kGatScoreBwdThreads / tx);
+  // rows per block: enough blocks to fill the GPU, at least kGatScoreRows
   const int64_t nb = std::max<int64_t>(
-      1, std::min<int64_t>(ceil_div(N, kGatScoreRows),
-                           int64_t(num_sms()) * kGatScoreBwdBlocksPerSm));
+      1, std::min<int64_t>(ceil_div(N, kGatScoreRows), num_sms() * 4));
   const int64_t R = std::max<int64_t>(1, ceil_div(N, nb));
   const int64_t blocks = std::max<int64_t>(1, ceil_div(N, R));
+  const int threads = static_cast<int>(
+      std::min<int64_t>(kBlock, ceil_div(HC, kWarp) * kWarp));
   const auto stream = at::cuda::getCurrentCUDAStream();
   PFA_DISPATCH_FLOATS(h.scalar_type(), "gat_score_backward_cuda", [&] {
     using A = acc_t<scalar_t>;
     at::Tensor part = at::empty(
         {blocks * 2 * HC},
         h.options().dtype(c10::CppTypeToScalarType<A>::value));
-    gat_score_bwd_kernel<scalar_t><<<blocks, dim3(tx, ty), 0, stream>>>(
+    gat_score_bwd_kernel<scalar_t><<<blocks, threads, 0, stream>>>(
         h.const_data_ptr<scalar_t>(), g_h.data_ptr<scalar_t>(),
         gs.const_data_ptr<scalar_t>(), gd.const_data_ptr<scalar_t>(),
         ws.const_data_ptr<scalar_t>(), wd.const_data_ptr<scalar_t>(), N, R, H,
         C, part.data_ptr<A>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    gat_score_sum_kernel<scalar_t>
-        <<<blocks_of(2 * HC * kWarp), kBlock, 0, stream>>>(
+    gat_score_sum_kernel<scalar_t><<<blocks_of(2 * HC), kBlock, 0, stream>>>(
         part.const_data_ptr<A>(), static_cast<int>(blocks), HC,
         ga_src.data_ptr<scalar_t>(), ga_dst.data_ptr<scalar_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
