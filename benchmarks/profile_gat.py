@@ -7,6 +7,7 @@ preparation.
     python benchmarks/profile_gat.py --device cuda            # all workloads
     python benchmarks/profile_gat.py --device cpu --only Cora
     python benchmarks/profile_gat.py --conv gatv2 --only layer --providers fast,fast_bf16
+    python benchmarks/profile_gat.py --only layer --x-grad   # x requiring grad too
 
 Prints, per workload and provider: median time, number of dispatched aten
 ops (host overhead per op is what bounds small graphs) and the top kernels
@@ -132,6 +133,9 @@ def main():
     ap.add_argument('--rows', type=int, default=18)
     ap.add_argument('--conv', default='gat', choices=sorted(B.CONVS),
                     help='the layer of the layer workloads')
+    ap.add_argument('--x-grad', action='store_true',
+                    help='layer workloads also differentiate x (a hidden '
+                         'layer, as bench_gat.py --x-grad)')
     args = ap.parse_args()
     dev = pick_device(args.device)
     setup_threads(dev)
@@ -148,13 +152,16 @@ def main():
     # the epochs are GAT models; the layers take --conv
     work = [(f'{n} epoch', lambda c, a, n=n: epoch_fn(c, n, dev))
             for n in ('Cora', 'CiteSeer')]
-    work += [(f'layer {N}/{E} {fin}->{H}x{C} fwd+bwd',
-              lambda c, a, s=(N, E, fin, H, C): layer_fn(c, *s, dev, amp=a))
+    xg = ' x-grad' if args.x_grad else ''
+    work += [(f'layer {N}/{E} {fin}->{H}x{C} fwd+bwd{xg}',
+              lambda c, a, s=(N, E, fin, H, C): layer_fn(
+                  c, *s, dev, amp=a, x_grad=args.x_grad))
              for N, E, fin, H, C in layers]
     if dev.type == 'cuda':
-        work.append(('layer 1000000/20000000 power s=1.0 128->4x32 fwd+bwd',
+        work.append((f'layer 1000000/20000000 power s=1.0 128->4x32 fwd+bwd{xg}',
                      lambda c, a: layer_fn(c, 1_000_000, 20_000_000, 128, 4,
-                                           32, dev, ('power', 1.0), amp=a)))
+                                           32, dev, ('power', 1.0), amp=a,
+                                           x_grad=args.x_grad)))
     work.append(('step 60000/600000 fresh graph',
                  lambda c, a: step_fn(c, dev)))
     if dev.type == 'cuda':

@@ -53,7 +53,8 @@
 # (files, -k, ...), test files in place of the whole suite for tests; TEST_ENV: an env assignment for a second
 # cudatests run of the same selection (e.g. PYG_FASTATTN_SPLIT_EDGES=16).
 # BENCH_ONLY / BENCH_PROVIDERS: --only / --providers of bench_gat.py;
-# BENCH_XGRAD=1: its --x-grad (layer fwd+bwd also differentiates x).
+# BENCH_XGRAD=1: its --x-grad (layer fwd+bwd also differentiates x), and
+# profile_gat.py's.
 # BENCH_ENV / PREPARE_ENV / PROFILE_ENV: an env assignment (e.g. an A/B
 # switch) for a second run of the gat / prepare / profile step in the same
 # call; the second gat and prepare runs write to bench_out/ab (in the
@@ -457,7 +458,7 @@ fi
 if [ $want_profile -eq 1 ]; then
     # PROFILE_ENV: an env assignment for a second run (A/B in one call)
     # (PROFILE_CONV may name several layer families, one run each)
-    prof="python3 benchmarks/profile_gat.py --device $DEV --conv \$c ${PROFILE_ONLY:+--only '$PROFILE_ONLY'} ${PROFILE_PROVIDERS:+--providers '$PROFILE_PROVIDERS'} ${PROFILE_ROWS:+--rows $PROFILE_ROWS}"
+    prof="python3 benchmarks/profile_gat.py --device $DEV --conv \$c ${PROFILE_ONLY:+--only '$PROFILE_ONLY'} ${PROFILE_PROVIDERS:+--providers '$PROFILE_PROVIDERS'} ${PROFILE_ROWS:+--rows $PROFILE_ROWS} ${BENCH_XGRAD:+--x-grad}"
     run_step profile "${T_PROFILE:-120}" "rc=0
 for c in ${PROFILE_CONV:-gat}; do
     $prof || rc=1
