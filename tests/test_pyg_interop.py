@@ -960,3 +960,52 @@ def test_grads_batched_without_the_extension():
         cwd=str(REPO), env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert ' passed' in r.stdout and 'skipped' not in r.stdout, r.stdout
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('name', list(PAIRS))
+@pytest.mark.parametrize('weights', [False, True])
+def test_deterministic_algorithms_mode(backend, device, name, weights,
+                                       monkeypatch):
+    """Under ``torch.use_deterministic_algorithms(True)`` (with the cuBLAS
+    workspace setting PyTorch asks for on CUDA) each drop-in runs forward
+    and backward in training mode, with edge features, with and without
+    attention weights, and gives what it gives without the mode: the same
+    bits, or within rounding where a CUDA path sums with index_add (the
+    reference, and the attention weights' normalization), whose
+    deterministic variant rounds otherwise."""
+    monkeypatch.setenv('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
+    kw = dict(edge_dim=3, fill_value='mean') if name != 'transformer' \
+        else dict(edge_dim=3)
+    _, f = _pair(name, 5, 3, heads=2, **kw)
+    f = f.to(device).train()
+    x, ei = _graph(N=40, E=200, device=device)
+    ea = torch.randn(ei.size(1), 3, dtype=torch.float64, device=device)
+
+    def run():
+        torch.manual_seed(0)  # the same dropout masks
+        f.zero_grad(set_to_none=True)
+        xr = x.clone().requires_grad_()
+        if weights:
+            out, (_, alpha) = f(xr, ei, ea, return_attention_weights=True)
+            loss, outs = out.pow(2).sum() + alpha.sum(), [out, alpha]
+        else:
+            out = f(xr, ei, ea)
+            loss, outs = out.pow(2).sum(), [out]
+        loss.backward()
+        return [t.detach() for t in outs] + [xr.grad] + [
+            p.grad for p in f.parameters()]
+
+    plain = run()
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        det = run()
+    finally:
+        torch.use_deterministic_algorithms(was)
+    exact = device == 'cpu' or (backend == 'native' and not weights)
+    for a, b in zip(plain, det):
+        if exact:
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(b, a)
