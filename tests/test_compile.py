@@ -304,6 +304,21 @@ def test_gat_attention_float32_x_beside_half_weight(backend, device, dtype,
         run(x.detach().double(), *leaves)
 
 
+@pytest.mark.parametrize('device,dtype', HALF)
+def test_gat_attention_float32_x_frozen_weight(backend, device, dtype):
+    """x in float32 beside a 16-bit weight that needs no gradient (the
+    backward then casts no x): x's gradient is the one it gets when the
+    weight needs its gradient too."""
+    run, x, leaves, g = _gat_lin_case(device, dtype)
+    run(x, *leaves).backward(g)
+    want = x.grad
+    x.grad = None
+    leaves[0].requires_grad_(False)
+    run(x, *leaves).backward(g)
+    assert x.grad.dtype == torch.float32
+    _assert_same(x.grad, want, backend, device)
+
+
 @pytest.mark.parametrize('device', DEVICES)
 def test_gat_attention_h_changed_in_place(backend, device):
     """The op's h output (kept for its backward out of autograd's version

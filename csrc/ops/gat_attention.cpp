@@ -335,7 +335,9 @@ std::vector<at::Tensor> backward_inputs(
   at::Tensor g_x, g_w;
   if (weight.has_value()) {
     const at::Tensor g_h2 = g_h.view({g_h.size(0), HC});
-    at::Tensor xw = x_as_weight(*x, *weight);  // (a cast when x is mixed)
+    // x in weight's dtype (a cast when x is mixed), only where it is read
+    at::Tensor xw =
+        v.through_x || need_w ? x_as_weight(*x, *weight) : at::Tensor();
     if (v.through_x) {
       const at::Tensor M = xw.t().mm(v.g_a);
       if (need_w)
