@@ -76,6 +76,26 @@ def test_retain_graph_with_defaults(device, name):
     torch.testing.assert_close(grads[1], grads[0])
 
 
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_second_backward_without_retain_graph_raises(device, name):
+    """A second backward through a released graph raises as PyG's does (a
+    RuntimeError naming the cause), also when the output was changed in
+    place between the two (the kept-output path)."""
+    p, f = _pair(name, 5, 3, heads=2)
+    x, ei = _graph(device=device)
+    for layer in (p, f):
+        layer.to(device)
+        for in_place in (False, True):
+            xr = x.clone().requires_grad_()
+            out = layer(xr, ei)
+            loss = (out.relu_() if in_place else out).pow(2).sum()
+            loss.backward()
+            with pytest.raises(RuntimeError,
+                               match='second time|already released'):
+                loss.backward()
+
+
 _EXPLAIN_AFTER_PYG = """
 import torch
 from torch_geometric.explain.algorithm.utils import clear_masks, set_masks

@@ -126,9 +126,9 @@ at::Tensor kept_tensor(torch::autograd::AutogradContext* ctx,
   if (proxy_out) *proxy_out = false;
   if (saved.defined()) return saved;
   const auto it = ctx->saved_data.find(key);
-  PFA_CHECK(it != ctx->saved_data.end(),
-            "the attention output was already released: call backward "
-            "with retain_graph=True to backward twice");
+  PFA_CHECK(it != ctx->saved_data.end(), "the attention's saved `", key,
+            "` was already released: call backward with retain_graph=True "
+            "to backward twice");
   at::Tensor t = it->second.toTensor();
   const bool proxy =
       is_traced(t) && !ctx->saved_data[key + "_traced"].toBool();
