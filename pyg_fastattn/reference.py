@@ -195,7 +195,7 @@ def attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
 
 def _x_as_weight(x: Tensor, weight: Tensor) -> Tensor:
     """x in weight's dtype where x is float32 beside a 16-bit weight (as
-    autocast passes gat_attention's x); else x as it is."""
+    autocast passes x to gat_attention and linear); else x as it is."""
     if x.dtype == torch.float32 and weight.dtype in (torch.float16,
                                                      torch.bfloat16):
         return x.to(weight.dtype)
@@ -458,7 +458,7 @@ def transformer_attention_backward_(rowptr: Tensor, col: Tensor,
 
 
 def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    return torch.nn.functional.linear(x, weight, bias)
+    return torch.nn.functional.linear(_x_as_weight(x, weight), weight, bias)
 
 
 def linear_backward(grad_out: Tensor, x: Tensor, weight: Tensor,
@@ -466,8 +466,9 @@ def linear_backward(grad_out: Tensor, x: Tensor, weight: Tensor,
     def e():
         return x.new_empty((0, ))
 
-    return [grad_out.mm(weight) if output_mask[0] else e(),
-            grad_out.t().mm(x) if output_mask[1] else e(),
+    # (x may be float32 beside a 16-bit weight)
+    return [grad_out.mm(weight).to(x.dtype) if output_mask[0] else e(),
+            grad_out.t().mm(_x_as_weight(x, weight)) if output_mask[1] else e(),
             grad_out.sum(0) if output_mask[2] else e()]
 
 

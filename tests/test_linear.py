@@ -131,12 +131,86 @@ def test_autocast_casts_a_parameter_once(device):
                 self.shapes.append(tuple(args[0].shape))
             return func(*args, **(kwargs or {}))
 
-    x = torch.randn(16, 8, device=device)
+    # (a float16 x is cast; a float32 x would stay float32, see
+    # test_linear_float32_x_beside_half_weight)
+    x = torch.randn(16, 8, device=device, dtype=torch.float16)
     w = torch.randn(4, 8, device=device, requires_grad=True)
     with torch.autocast(device, dtype=torch.bfloat16), Casts() as m:
         y = ops.linear(x, w, None) + ops.linear(x, w, None)
     assert y.dtype == torch.bfloat16
     assert m.shapes.count((4, 8)) == 1 and m.shapes.count((16, 8)) == 2
+
+
+@pytest.mark.parametrize('device,dtype', [('cpu', torch.bfloat16)] + [
+    pytest.param('cuda', dt, marks=[pytest.mark.cuda, requires_cuda])
+    for dt in (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize('x_grad', [True, False])
+def test_linear_float32_x_beside_half_weight(backend, device, dtype, x_grad):
+    """linear takes x in float32 beside a 16-bit weight (the native autocast
+    rule leaves x so, and the op casts it where it reads it: no 16-bit copy
+    of x is saved for the backward, and x's gradient needs no cast back).
+    The output and the weight's and bias's gradients are those of x cast
+    first; x's gradient comes back in float32 (on CUDA written so by the
+    GEMM: within rounding of the cast one)."""
+    torch.manual_seed(0)
+    x = torch.randn(37, 11, device=device, requires_grad=x_grad)
+    w = torch.randn(6, 11, device=device, dtype=dtype, requires_grad=True)
+    b = torch.randn(6, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(37, 6, device=device, dtype=dtype)
+    y = ops.linear(x, w, b)
+    y.backward(g)
+    got = [w.grad, b.grad]
+    w.grad = b.grad = None
+    x16 = x.detach().to(dtype).requires_grad_(x_grad)
+    want = ops.linear(x16, w, b)
+    want.backward(g)
+    assert y.dtype == dtype and torch.equal(y, want)
+    assert torch.equal(got[0], w.grad) and torch.equal(got[1], b.grad)
+    if x_grad:
+        assert x.grad.dtype == torch.float32
+        torch.testing.assert_close(x.grad, x16.grad.float(), rtol=1e-2,
+                                   atol=1e-2)
+        if device == 'cpu':
+            assert torch.equal(x.grad, x16.grad.float())
+    torch.library.opcheck(_lib.op('linear'), (x.detach(), w, b))
+    with pytest.raises(RuntimeError, match='dtype'):
+        ops.linear(x.detach().double(), w, b)
+    with pytest.raises(RuntimeError, match='dtype'):
+        ops.linear(x.detach(), w, b.detach().float())
+
+
+@pytest.mark.parametrize('device', [
+    'cpu', pytest.param('cuda', marks=[pytest.mark.cuda, requires_cuda])])
+def test_linear_autocast_keeps_float32_x(device):
+    """Under autocast the native rule hands a float32 x to the op as it is
+    (so the op, not the rule, casts it, and autograd saves no 16-bit copy
+    of x); the output and x's gradient are those of F.linear under the same
+    autocast, x's gradient in float32."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    if not pyg_fastattn._build.load().native:
+        pytest.skip('the native rule keeps x; the Python rule casts it')
+
+    class Seen(TorchDispatchMode):
+        dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is _lib.op('linear'):
+                self.dtypes.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(16, 8, device=device, requires_grad=True)
+    w = torch.randn(4, 8, device=device, requires_grad=True)
+    b = torch.randn(4, device=device, requires_grad=True)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        with Seen() as m:
+            y = ops.linear(x, w, b)
+        want = F.linear(x, w, b)
+    assert m.dtypes == [torch.float32]
+    assert y.dtype == torch.bfloat16 and torch.equal(y, want)
+    gx, = torch.autograd.grad(y.float().sum(), [x])
+    ex, = torch.autograd.grad(want.float().sum(), [x])
+    assert gx.dtype == torch.float32
+    torch.testing.assert_close(gx, ex, rtol=1e-2, atol=1e-2)
 
 
 def test_plain_linear():

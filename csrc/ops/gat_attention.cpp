@@ -124,22 +124,6 @@ OptTensor opt(const at::Tensor& t) {
   return t.defined() && t.dim() > 1 ? OptTensor(t) : c10::nullopt;
 }
 
-// x in float32 beside a float16/bfloat16 weight (what autocast passes, see
-// PFA_REGISTER_AUTOCAST_KEEP below): the op casts x itself, and x's
-// gradient comes back in float32.
-bool mixed_x(const at::Tensor& x, const at::Tensor& weight) {
-  return x.scalar_type() == at::kFloat &&
-         (weight.scalar_type() == at::kHalf ||
-          weight.scalar_type() == at::kBFloat16);
-}
-
-// x in weight's dtype.
-at::Tensor x_as_weight(const at::Tensor& x, const at::Tensor& weight) {
-  return x.scalar_type() == weight.scalar_type()
-             ? x
-             : x.to(weight.scalar_type());
-}
-
 // h = x @ weight.t() as [Ns, H, C].
 at::Tensor project(const at::Tensor& x, const at::Tensor& weight, int64_t H,
                    int64_t C) {
@@ -300,24 +284,6 @@ ValueGrads backward_values(
   }
   r.g_h = g_h;
   return r;
-}
-
-// x's gradient g_h @ weight in x's dtype (float32 from a 16-bit weight:
-// on CUDA the GEMM writes float32 itself, through aten::mm.dtype where this
-// torch has it).
-at::Tensor grad_x(const at::Tensor& g_h, const at::Tensor& weight,
-                  at::ScalarType dtype) {
-  if (dtype == weight.scalar_type()) return g_h.mm(weight);
-  if (g_h.is_cuda()) {
-    static const auto mm_dtype =
-        c10::Dispatcher::singleton().findOp({"aten::mm", "dtype"});
-    if (mm_dtype.has_value())
-      return mm_dtype
-          ->typed<at::Tensor(const at::Tensor&, const at::Tensor&,
-                             at::ScalarType)>()
-          .call(g_h, weight, dtype);
-  }
-  return g_h.mm(weight).to(dtype);
 }
 
 // Gradients of (x, weight, h_src, att_src, h_dst, att_dst, a_edge, bias);

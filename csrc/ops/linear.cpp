@@ -23,18 +23,19 @@ at::Tensor column_sum(const at::Tensor& src) {
 
 namespace {
 
-// x [R, F], weight [K, F], bias [K] or None, one dtype and device.
+// x [R, F], weight [K, F], bias [K] or None, one dtype and device (x may
+// be float32 beside a 16-bit weight: mixed_x).
 void check_linear(const at::Tensor& x, const at::Tensor& weight,
                   const OptTensor& bias) {
   check_float(x, "x", 2);
   check_float(weight, "weight", 2);
   check_same_device(x, weight, "x", "weight");
-  check_same_dtype(x, weight, "x", "weight");
+  if (!mixed_x(x, weight)) check_same_dtype(x, weight, "x", "weight");
   check_size(x, 1, weight.size(1), "x", "in_features of `weight`");
   if (bias.has_value()) {
     check_float(*bias, "bias", 1);
-    check_same_device(x, *bias, "x", "bias");
-    check_same_dtype(x, *bias, "x", "bias");
+    check_same_device(weight, *bias, "weight", "bias");
+    check_same_dtype(weight, *bias, "weight", "bias");
     check_size(*bias, 0, weight.size(0), "bias", "out_features of `weight`");
   }
 }
@@ -42,7 +43,7 @@ void check_linear(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const OptTensor& bias) {
   check_linear(x, weight, bias);
-  return at::linear(x, weight, bias);
+  return at::linear(x_as_weight(x, weight), weight, bias);
 }
 
 // Gradients of (x, weight, bias); an empty tensor where output_mask is false.
@@ -53,13 +54,13 @@ std::vector<at::Tensor> linear_backward(const at::Tensor& grad_out,
   check_linear(x, weight, c10::nullopt);
   check_float(grad_out, "grad_out", 2);
   check_same_device(x, grad_out, "x", "grad_out");
-  check_same_dtype(x, grad_out, "x", "grad_out");
+  check_same_dtype(weight, grad_out, "weight", "grad_out");
   check_size(grad_out, 0, x.size(0), "grad_out", "rows of `x`");
   check_size(grad_out, 1, weight.size(0), "grad_out", "out_features of `weight`");
   const at::Tensor g = grad_out.contiguous();
   auto e = [&] { return x.new_empty({0}); };  // one each: outputs never alias
-  return {output_mask[0] ? g.mm(weight) : e(),
-          output_mask[1] ? g.t().mm(x) : e(),
+  return {output_mask[0] ? grad_x(g, weight, x.scalar_type()) : e(),
+          output_mask[1] ? g.t().mm(x_as_weight(x, weight)) : e(),
           output_mask[2] ? column_sum(g) : e()};
 }
 
@@ -147,4 +148,4 @@ TORCH_LIBRARY_IMPL(pyg_fastattn, CUDA, m) {
 }
 #endif
 
-PFA_REGISTER_AUTOCAST("linear")
+PFA_REGISTER_AUTOCAST_KEEP("linear", 0, 1)  // x beside weight

@@ -18,14 +18,14 @@ _lib.define('column_sum(Tensor src) -> Tensor')
 
 
 def _fake(x, weight, bias):
-    return x.new_empty((x.shape[0], weight.shape[0]))
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=weight.dtype)
 
 
 def _fake_backward(grad_out, x, weight, output_mask):
-    likes = ((x.shape[0], x.shape[1]), tuple(weight.shape),
-             (weight.shape[0], ))
-    return [x.new_empty(s if want else (0, ))
-            for s, want in zip(likes, output_mask)]
+    likes = (((x.shape[0], x.shape[1]), x.dtype), (tuple(weight.shape),
+             weight.dtype), ((weight.shape[0], ), weight.dtype))
+    return [x.new_empty(s, dtype=dt) if want else x.new_empty((0, ))
+            for (s, dt), want in zip(likes, output_mask)]
 
 
 def _fake_column_sum(src):
@@ -70,12 +70,15 @@ def linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     r"""``x @ weight.t() + bias`` as one op, differentiable in all three.
 
     Args:
-        x: [R, F]; weight: [K, F]; bias: [K] or None (one dtype and device;
-            under ``torch.autocast`` all three are cast to its dtype).
+        x: [R, F]; weight: [K, F]; bias: [K] or None (one dtype and device,
+            except that x may be float32 beside a float16/bfloat16 weight:
+            the op casts it where it reads it, and x's gradient comes back
+            in float32. Under ``torch.autocast`` weight and bias take its
+            dtype and a float32 x stays so).
 
     Returns:
-        [R, K]. The bias gradient is :func:`column_sum` of the output's
-        gradient.
+        [R, K] in weight's dtype. The bias gradient is :func:`column_sum` of
+        the output's gradient.
     """
     return _lib.op('linear')(x, weight, bias)
 
