@@ -17,6 +17,20 @@ requires_cuda = pytest.mark.skipif(not CUDA, reason='needs a CUDA GPU')
 
 # Devices every op test runs on; CUDA ones are marked so `-m cuda` selects them.
 DEVICES = ['cpu', pytest.param('cuda', marks=[pytest.mark.cuda, requires_cuda])]
+# (device, 16-bit dtype) pairs: bfloat16 on the CPU, both on CUDA.
+HALF = [('cpu', torch.bfloat16)] + [
+    pytest.param('cuda', dt, marks=[pytest.mark.cuda, requires_cuda])
+    for dt in (torch.bfloat16, torch.float16)]
+
+
+def assert_float32_x_grad(x, x16, device):
+    """x's gradient from an op that took x in float32 beside a 16-bit weight
+    against x16's (x cast first): float32, within rounding of the cast one
+    (on CUDA the GEMM writes float32 itself), the same bits on the CPU."""
+    assert x.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad, x16.grad.float(), rtol=1e-2, atol=1e-2)
+    if device == 'cpu':
+        assert torch.equal(x.grad, x16.grad.float())
 
 
 def load_example():

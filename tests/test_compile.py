@@ -10,7 +10,7 @@ from pyg_fastattn import (FastGATConv, FastGATv2Conv, FastTransformerConv,
 from pyg_fastattn.ops import _lib
 from pyg_fastattn.ops.csr import rows_of
 
-from conftest import DEVICES, requires_cuda
+from conftest import DEVICES, HALF, assert_float32_x_grad, requires_cuda
 from graphs import make_graph
 
 CUDA_ONLY = [pytest.param('cuda', marks=[pytest.mark.cuda, requires_cuda])]
@@ -245,9 +245,6 @@ def test_gat_attention_gradcheck(backend, device, mode):
                   att_src, bias)
 
 
-HALF = [('cpu', torch.bfloat16)] + [
-    pytest.param('cuda', dt, marks=[pytest.mark.cuda, requires_cuda])
-    for dt in (torch.bfloat16, torch.float16)]
 
 
 def _gat_lin_case(device, dtype, x_grad=True):
@@ -292,11 +289,7 @@ def test_gat_attention_float32_x_beside_half_weight(backend, device, dtype,
     for a, t in zip(got, leaves):
         _assert_same(a, t.grad, backend, device)
     if x_grad:
-        assert x.grad.dtype == torch.float32
-        torch.testing.assert_close(x.grad, x16.grad.float(), rtol=1e-2,
-                                   atol=1e-2)
-        if device == 'cpu':
-            assert torch.equal(x.grad, x16.grad.float())
+        assert_float32_x_grad(x, x16, device)
     with _GrabOutputs() as grab:  # the op's arguments of this call
         run(x.detach(), *[t.detach() for t in leaves])
     torch.library.opcheck(_lib.op('gat_attention'), grab.args)

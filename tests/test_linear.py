@@ -13,7 +13,7 @@ from pyg_fastattn import FastGATConv, FastGATv2Conv, FastTransformerConv, ops
 from pyg_fastattn.nn.base import plain_linear
 from pyg_fastattn.ops import _lib
 
-from conftest import DEVICES, requires_cuda
+from conftest import DEVICES, HALF, assert_float32_x_grad, requires_cuda
 
 
 @pytest.mark.parametrize('device', DEVICES)
@@ -141,9 +141,7 @@ def test_autocast_casts_a_parameter_once(device):
     assert m.shapes.count((4, 8)) == 1 and m.shapes.count((16, 8)) == 2
 
 
-@pytest.mark.parametrize('device,dtype', [('cpu', torch.bfloat16)] + [
-    pytest.param('cuda', dt, marks=[pytest.mark.cuda, requires_cuda])
-    for dt in (torch.bfloat16, torch.float16)])
+@pytest.mark.parametrize('device,dtype', HALF)
 @pytest.mark.parametrize('x_grad', [True, False])
 def test_linear_float32_x_beside_half_weight(backend, device, dtype, x_grad):
     """linear takes x in float32 beside a 16-bit weight (the native autocast
@@ -167,11 +165,7 @@ def test_linear_float32_x_beside_half_weight(backend, device, dtype, x_grad):
     assert y.dtype == dtype and torch.equal(y, want)
     assert torch.equal(got[0], w.grad) and torch.equal(got[1], b.grad)
     if x_grad:
-        assert x.grad.dtype == torch.float32
-        torch.testing.assert_close(x.grad, x16.grad.float(), rtol=1e-2,
-                                   atol=1e-2)
-        if device == 'cpu':
-            assert torch.equal(x.grad, x16.grad.float())
+        assert_float32_x_grad(x, x16, device)
     torch.library.opcheck(_lib.op('linear'), (x.detach(), w, b))
     with pytest.raises(RuntimeError, match='dtype'):
         ops.linear(x.detach().double(), w, b)
