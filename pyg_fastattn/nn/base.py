@@ -73,6 +73,28 @@ def _autodiff_transform() -> bool:
     return torch.autograd.forward_ad._current_level >= 0
 
 
+class _EdgeRows(torch.autograd.Function):
+    """``t[idx]``, with the gradient summed per segment of ``rowptr`` (in
+    ``perm``'s order when given) by ``segment_sum``: no atomics."""
+
+    @staticmethod
+    def forward(t: Tensor, idx: Tensor, rowptr: Tensor,
+                perm: Optional[Tensor]) -> Tensor:
+        return t[idx]
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        t, _, rowptr, perm = inputs
+        ctx.save_for_backward(rowptr, perm)
+        ctx.shape = t.shape
+
+    @staticmethod
+    def backward(ctx, grad):
+        rowptr, perm = ctx.saved_tensors
+        g = ops.segment_sum(rowptr, grad.flatten(1), perm)
+        return g.view(ctx.shape), None, None, None
+
+
 @dataclass
 class AdditiveScore:
     r"""A score the fused ``attention`` kernel computes itself, per edge
@@ -121,20 +143,18 @@ class FusedAttentionConv(MessagePassing):
       in CSR order with the added loops' features filled in (or None).
       Returns a score object; an :class:`AdditiveScore` covers per-node
       additive terms (GAT) and precomputed per-edge scores (dot products).
-    * :meth:`attend` ``(graph, values, score, mask, return_lse) ->
-      (out, lse)``: only needed for a score that is not an
-      :class:`AdditiveScore`, e.g. one whose per-edge nonlinearity is
-      computed inside its own fused kernel. ``values`` [Ns, H, C],
-      ``mask`` [E', H] (CSR order) or None; ``out`` [N, H, C] (already
-      multiplied by ``mask``), ``lse`` [N, H] the row log-sum-exp of the
-      scores (float32, float64 for float64 inputs) when ``return_lse``.
-      Called with a keyword ``bias`` (H * C elements, to add to every row
-      of ``out``) only when the subclass passes one to
-      :meth:`fused_propagate`.
-    * :meth:`score_at` ``(graph, score, pos, src, dst) -> [K, H]``: the
-      pre-softmax scores of the CSR positions ``pos`` [K] (``src``/``dst``
-      [K] their nodes); only for ``return_attention_weights``, and only
-      needed for a score that is not an :class:`AdditiveScore`.
+    * :meth:`attend` ``(graph, values, score, mask) -> out``: only needed
+      for a score that is not an :class:`AdditiveScore`, e.g. one whose
+      per-edge nonlinearity is computed inside its own fused kernel.
+      ``values`` [Ns, H, C], ``mask`` [E', H] (CSR order) or None; ``out``
+      [N, H, C] (already multiplied by ``mask``). Called with a keyword
+      ``bias`` (H * C elements, to add to every row of ``out``) only when
+      the subclass passes one to :meth:`fused_propagate`.
+    * :meth:`score_at` ``(graph, score) -> [K, H]``: the pre-softmax
+      scores of the graph's ``K = graph.num_kept()`` edges in CSR order;
+      only for ``return_attention_weights``, and only needed for a score
+      that is not an :class:`AdditiveScore`. :meth:`edge_rows` gathers
+      per-node tensors to the edges with a backward free of atomics.
 
     Attributes the base reads (PyG's layers have them): ``heads``,
     ``dropout`` (attention dropout, training only), ``add_self_loops`` and
@@ -163,34 +183,49 @@ class FusedAttentionConv(MessagePassing):
             f'{type(self).__name__} must implement compute_score()')
 
     def attend(self, graph: PreparedGraph, values: Tensor, score,
-               mask: Optional[Tensor], return_lse: bool
-               ) -> Tuple[Tensor, Optional[Tensor]]:
-        """Softmax + aggregation: ``(out [N, H, C], lse [N, H] or None)``."""
+               mask: Optional[Tensor]) -> Tensor:
+        """Softmax + aggregation: ``out`` [N, H, C]."""
         if not isinstance(score, AdditiveScore):
             raise NotImplementedError(
                 f'{type(self).__name__}.attend() must handle a '
                 f'{type(score).__name__} score')
-        out, lse = ops.attention(graph.rowptr, graph.col, values, score.a_src,
-                                 score.a_dst, score.a_edge, mask,
-                                 score.negative_slope, csc=graph.csc,
-                                 return_lse=True)
-        return out, (lse if return_lse else None)
+        return ops.attention(graph.rowptr, graph.col, values, score.a_src,
+                             score.a_dst, score.a_edge, mask,
+                             score.negative_slope, csc=graph.csc)
 
-    def score_at(self, graph: PreparedGraph, score, pos: Tensor, src: Tensor,
-                 dst: Tensor) -> Tensor:
-        """Pre-softmax scores [K, H] of the CSR positions ``pos``."""
+    def score_at(self, graph: PreparedGraph, score) -> Tensor:
+        """Pre-softmax scores [K, H] of the graph's edges in CSR order."""
         if not isinstance(score, AdditiveScore):
             raise NotImplementedError(
                 f'{type(self).__name__}.score_at() must handle a '
                 f'{type(score).__name__} score')
         z = None
-        for t, idx in ((score.a_src, src), (score.a_dst, dst),
-                       (score.a_edge, pos)):
+        for t, end in ((score.a_src, 'src'), (score.a_dst, 'dst'),
+                       (score.a_edge, None)):
             if t is not None:
-                z = t[idx] if z is None else z + t[idx]
+                t = self.edge_rows(graph, t, end)
+                z = t if z is None else z + t
         if score.negative_slope == 1.0:
             return z
         return F.leaky_relu(z, score.negative_slope)
+
+    @staticmethod
+    def edge_rows(graph: PreparedGraph, t: Tensor,
+                  end: Optional[str]) -> Tensor:
+        """``t``'s rows for the graph's ``K`` edges in CSR order: of each
+        edge's source (``end='src'``, ``t`` [Ns, ...]), of its destination
+        (``'dst'``, ``t`` [N, ...]), or ``t[:K]`` itself (``None``, ``t``
+        per edge in CSR order). The gradient sums per node in a fixed order
+        (``segment_sum`` over the CSC or CSR rows), so it is bitwise
+        reproducible, where indexing's backward is not on every device."""
+        K = graph.num_kept()
+        if end is None:
+            return t[:K]
+        if end == 'src':
+            csc = graph.csc
+            return _EdgeRows.apply(t, graph.col[:K], csc.colptr, csc.perm[:K])
+        return _EdgeRows.apply(t, graph.dst_of(
+            torch.arange(K, device=t.device)), graph.rowptr, None)
 
     # The fused path #########################################################
 
@@ -263,15 +298,14 @@ class FusedAttentionConv(MessagePassing):
         score = self.compute_score(graph, x_src, x_dst, ea)
         mask = self.dropout_mask(graph.num_aug, values.size(1), values)
         mask = self.per_edge_cast(mask, values.dtype, values.device)
-        want = bool(return_attention_weights)
         if bias is None:
-            out, lse = self.attend(graph, values, score, mask, want)
+            out = self.attend(graph, values, score, mask)
         else:
-            out, lse = self.attend(graph, values, score, mask, want, bias=bias)
+            out = self.attend(graph, values, score, mask, bias=bias)
         weights = None
-        if want:
+        if return_attention_weights:
             weights = self.attention_weights(
-                graph, score, lse, edge_index,
+                graph, score, edge_index,
                 mask if weights_after_dropout else None)
         return out, weights
 
@@ -571,22 +605,19 @@ class FusedAttentionConv(MessagePassing):
 
     # Attention weights ######################################################
 
-    def attention_weights(self, graph: PreparedGraph, score, lse: Tensor,
-                          edge_index, mask: Optional[Tensor] = None):
+    def attention_weights(self, graph: PreparedGraph, score, edge_index,
+                          mask: Optional[Tensor] = None):
         """The attention weights of the edges attended over, in PyG's edge
         order (input edges without removed self-loops, then the added
-        loops), from the kernel's row log-sum-exp; [E'', H] memory only.
-        Shaped by :meth:`format_attention_weights`."""
-        H = self.heads
+        loops); [E'', H] memory only. The softmax runs over the CSR rows
+        (``edge_softmax``: no atomics, so the weights and the gradients
+        through them are bitwise reproducible). Shaped by
+        :meth:`format_attention_weights`."""
         pos = graph.kept_positions()  # CSR positions, PyG's order
+        s = self.score_at(graph, score)
+        alpha = ops.edge_softmax(s, graph.rowptr, validate=False)
+        alpha = alpha.to(s.dtype)[pos]
         src, dst = graph.col[pos].long(), graph.dst_of(pos)
-        s = self.score_at(graph, score, pos, src, dst)
-        # Softmax per destination, shifted by the kernel's row log-sum-exp
-        # (any per-row shift is exact; the normalization keeps it
-        # differentiable).
-        ex = torch.exp(s.to(lse.dtype) - lse.detach()[dst])
-        den = ex.new_zeros((graph.num_dst, H)).index_add(0, dst, ex)
-        alpha = (ex / den[dst]).to(s.dtype)
         if mask is not None:
             alpha = alpha * mask[pos]
         return self.format_attention_weights(graph, src, dst, alpha,

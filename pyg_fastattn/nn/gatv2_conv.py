@@ -153,23 +153,20 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
         return GATv2Score(x_l, x_r, edge_term)
 
     def attend(self, graph: PreparedGraph, values: Tensor, score,
-               mask: Optional[Tensor], return_lse: bool,
-               bias: Optional[Tensor] = None):
+               mask: Optional[Tensor], bias: Optional[Tensor] = None):
         """Score, softmax, dropout and aggregation (and ``bias``) in
         ``gatv2_attention`` (``values`` is ``score.x_l``)."""
-        out, lse = ops.gatv2_attention(
+        return ops.gatv2_attention(
             graph.rowptr, graph.col, score.x_l, score.x_r, self.att,
             score.edge_term, mask, self.negative_slope, csc=graph.csc,
-            return_lse=True, validate=False, bias=bias,
-            max_lengths=graph.max_lengths)
-        return out, (lse if return_lse else None)
+            validate=False, bias=bias, max_lengths=graph.max_lengths)
 
-    def score_at(self, graph: PreparedGraph, score, pos: Tensor, src: Tensor,
-                 dst: Tensor) -> Tensor:
-        """Pre-softmax scores [K, H] of the CSR positions ``pos`` (builds
-        [K, H, C]: for ``return_attention_weights`` only)."""
-        z = score.x_l[src] + score.x_r[dst]
+    def score_at(self, graph: PreparedGraph, score) -> Tensor:
+        """Pre-softmax scores [K, H] of the graph's edges in CSR order
+        (builds [K, H, C]: for ``return_attention_weights`` only)."""
+        z = (self.edge_rows(graph, score.x_l, 'src')
+             + self.edge_rows(graph, score.x_r, 'dst'))
         if score.edge_term is not None:
-            z = z + score.edge_term[pos]
+            z = z + self.edge_rows(graph, score.edge_term, None)
         z = F.leaky_relu(z, self.negative_slope)
         return (z * self.att).sum(dim=-1)

@@ -215,7 +215,7 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
                                  value_edge)
 
     def attend(self, graph: PreparedGraph, values: Tensor, score,
-               mask: Optional[Tensor], return_lse: bool):
+               mask: Optional[Tensor]):
         """Score, softmax, dropout and aggregation in
         ``transformer_attention``; ``value_edge``'s term apart."""
         # The op itself (its wrapper's checks hold by construction here;
@@ -224,7 +224,7 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         query, values, edge_term, mask = [
             t if t is None or t.dtype == dt else t.to(dt)
             for t in (score.query, values, score.edge_term, mask)]
-        out, lse = _lib.op('transformer_attention')(
+        out, _ = _lib.op('transformer_attention')(
             graph.rowptr, graph.col, query, score.key, values, edge_term,
             mask, score.scale, *tuple(graph.csc)[:3], *graph.max_lengths,
             score.grads_in_place)
@@ -232,7 +232,7 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
             msg_dt = torch.promote_types(values.dtype, score.value_edge.dtype)
             out = out + self._value_edge_sum(graph, query, score,
                                              mask).to(msg_dt)
-        return out, (lse if return_lse else None)
+        return out
 
     def _value_edge_sum(self, graph: PreparedGraph, query: Tensor, score,
                         mask: Optional[Tensor]) -> Tensor:
@@ -248,14 +248,14 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         return ops.segment_sum(graph.rowptr, t.flatten(1)).view(
             -1, self.heads, self.out_channels)
 
-    def score_at(self, graph: PreparedGraph, score, pos: Tensor, src: Tensor,
-                 dst: Tensor) -> Tensor:
-        """Pre-softmax scores [K, H] of the CSR positions ``pos`` (builds
-        [K, H, C]: for ``return_attention_weights`` only)."""
-        k = score.key[src]
+    def score_at(self, graph: PreparedGraph, score) -> Tensor:
+        """Pre-softmax scores [K, H] of the graph's edges in CSR order
+        (builds [K, H, C]: for ``return_attention_weights`` only)."""
+        k = self.edge_rows(graph, score.key, 'src')
         if score.edge_term is not None:
-            k = k + score.edge_term[pos]
-        return (score.query[dst] * k).sum(dim=-1) * score.scale
+            k = k + self.edge_rows(graph, score.edge_term, None)
+        q = self.edge_rows(graph, score.query, 'dst')
+        return (q * k).sum(dim=-1) * score.scale
 
     def format_attention_weights(self, graph: PreparedGraph, src: Tensor,
                                  dst: Tensor, alpha: Tensor, edge_index):
