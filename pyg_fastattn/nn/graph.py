@@ -133,6 +133,7 @@ class PreparedGraph:
     index_dtype: torch.dtype = torch.int64
     # None (not queued), (pinned host copy, event) or (rows, cols)
     _lengths: Any = None
+    _num_kept: Optional[int] = None
 
     @property
     def max_lengths(self) -> Tuple[int, int]:
@@ -223,8 +224,14 @@ class PreparedGraph:
         return self.col.device
 
     def num_kept(self) -> int:
-        """Edges GATConv attends over (``rowptr[N]``; one host sync)."""
-        return int(self.rowptr[-1])
+        """Edges GATConv attends over (``rowptr[N]``; one host sync, then
+        kept, except under ``torch.compile``)."""
+        if self._num_kept is not None:
+            return self._num_kept
+        k = int(self.rowptr[-1])
+        if not _is_compiling():
+            self._num_kept = k
+        return k
 
     def kept_positions(self) -> Tensor:
         """CSR positions of the kept edges, in GATConv's edge order (input
