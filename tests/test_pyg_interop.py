@@ -904,6 +904,20 @@ def test_func_transforms_and_forward_ad(name, how):
     torch.testing.assert_close(how(f, x, ei), how(p, x, ei))
 
 
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_vmap_attention_weights(name):
+    """torch.func.vmap over a batch of x with return_attention_weights: the
+    weights of each sample, as PyG's layer gives them one at a time."""
+    p, f = _pair(name, 5, 3, heads=2)
+    x, ei = _graph()
+    xs = torch.stack([x, -x, 2 * x])
+    got = torch.func.vmap(
+        lambda xx: f(xx, ei, return_attention_weights=True)[1][1])(xs)
+    want = torch.stack([p(xx, ei, return_attention_weights=True)[1][1]
+                        for xx in xs])
+    torch.testing.assert_close(got, want)
+
+
 def _small(name, edge):
     """A pair on a graph of 6 nodes and 12 edges, with 2 edge features
     (``edge_dim``) when ``edge``; the inputs (x, edge_attr or None)."""

@@ -76,6 +76,7 @@ def _autodiff_transform() -> bool:
 class _EdgeRows(torch.autograd.Function):
     """``t[idx]``, with the gradient summed per segment of ``rowptr`` (in
     ``perm``'s order when given) by ``segment_sum``: no atomics."""
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(t: Tensor, idx: Tensor, rowptr: Tensor,
