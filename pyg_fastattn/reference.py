@@ -171,9 +171,10 @@ def attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
     row, z, s = _attention_scores(rowptr, col, a_src, a_dst, a_edge,
                                   negative_slope, t)
     lse_p = _pad_row(lse.to(t))[row]
-    finite = torch.isfinite(lse_p) & (row < N).view(-1, 1)
-    alpha = torch.where(finite, torch.exp(s - torch.where(finite, lse_p, 0.)),
-                        torch.zeros_like(s))
+    weighted = (lse_p != float('-inf')) & (row < N).view(-1, 1)
+    alpha = torch.where(
+        weighted, torch.exp(s - torch.where(weighted, lse_p, 0.)),
+        torch.zeros_like(s))
     m = mask.to(t) if mask is not None else torch.ones_like(alpha)
     go = _pad_row(grad_out.to(t))
     g = m * (go[row] * values[_safe(col, row < N)].to(t)).sum(-1)
@@ -183,7 +184,7 @@ def attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
     delta = (go * _pad_row(out)).sum(-1)[row]
     grad_s = alpha * (g - delta)
     grad_z = torch.where(z > 0, grad_s, grad_s * negative_slope)
-    grad_z = torch.where(finite, grad_z, torch.zeros_like(grad_z))
+    grad_z = torch.where(weighted, grad_z, torch.zeros_like(grad_z))
     # Source side over the transpose (the kernels' single CSC pass).
     grad_values = spmm(colptr, row_t, alpha * m, perm, grad_out.to(t))
     grad_a_src = segment_sum(colptr, perm, grad_z)
@@ -321,9 +322,10 @@ def gatv2_attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
     row, j, z, lz, s = _gatv2_scores(rowptr, col, x_l, x_r, edge_term, att,
                                      negative_slope, t)
     lse_p = _pad_row(lse.to(t))[row]
-    finite = torch.isfinite(lse_p) & (row < N).view(-1, 1)
-    alpha = torch.where(finite, torch.exp(s - torch.where(finite, lse_p, 0.)),
-                        torch.zeros_like(s))
+    weighted = (lse_p != float('-inf')) & (row < N).view(-1, 1)
+    alpha = torch.where(
+        weighted, torch.exp(s - torch.where(weighted, lse_p, 0.)),
+        torch.zeros_like(s))
     p = alpha * mask.to(t) if mask is not None else alpha
     go = _pad_row(grad_out.to(t))[row]  # [E, H, C]
     g = (go * x_l[j].to(t)).sum(-1)
@@ -333,7 +335,7 @@ def gatv2_attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
     if bias is not None:  # out holds the forward's bias
         out = out - bias.to(t).view(out.shape[1:])
     delta = _pad_row((grad_out.to(t) * out).sum(-1))[row]
-    grad_s = torch.where(finite, alpha * (g - delta), torch.zeros_like(s))
+    grad_s = torch.where(weighted, alpha * (g - delta), torch.zeros_like(s))
     dz = torch.where(z > 0, torch.ones_like(z), torch.full_like(z,
                                                                 negative_slope))
     grad_z = grad_s.unsqueeze(-1) * att.to(t) * dz
@@ -409,16 +411,17 @@ def transformer_attention_backward(rowptr: Tensor, col: Tensor,
                                          edge_term, t)
     s = scale * (q * k).sum(-1)
     lse_p = _pad_row(lse.to(t))[row]
-    finite = torch.isfinite(lse_p) & (row < N).view(-1, 1)
-    alpha = torch.where(finite, torch.exp(s - torch.where(finite, lse_p, 0.)),
-                        torch.zeros_like(s))
+    weighted = (lse_p != float('-inf')) & (row < N).view(-1, 1)
+    alpha = torch.where(
+        weighted, torch.exp(s - torch.where(weighted, lse_p, 0.)),
+        torch.zeros_like(s))
     p = alpha * mask.to(t) if mask is not None else alpha
     go = _pad_row(grad_out.to(t))[row]  # [E, H, C]
     g = (go * v).sum(-1)
     if mask is not None:
         g = g * mask.to(t)
     delta = _pad_row((grad_out.to(t) * out.to(t)).sum(-1))[row]
-    grad_s = torch.where(finite, alpha * (g - delta), torch.zeros_like(s))
+    grad_s = torch.where(weighted, alpha * (g - delta), torch.zeros_like(s))
     gs = (scale * grad_s).unsqueeze(-1)
     msg_q = gs * k
     grad_q = msg_q.new_zeros((N + 1, H, C)).index_add(0, row, msg_q)[:N]

@@ -477,6 +477,36 @@ def test_neg_inf_rows_and_nan(backend, device):
     assert agg[1].eq(0).all() and agg[2].isnan().all()
 
 
+
+@pytest.mark.parametrize('device', DEVICES)
+def test_nan_row_reaches_the_gradients(backend, device):
+    """A row whose weights are NaN gives NaN gradients to its scores and to
+    its sources' values, as autograd through PyG's softmax does (a NaN loss
+    with finite gradients would hide it from checks such as GradScaler's);
+    the other rows' gradients are exact. An entry of -inf beside finite ones
+    is masked out in both."""
+    rowptr = torch.tensor([0, 2, 4, 6], device=device)
+    col = torch.tensor([0, 1, 1, 2, 0, 1], device=device)
+    row = rows_of(rowptr, 6)
+    for bad in (float('nan'), float('inf')):
+        s0 = torch.tensor([[0.5, 1.0], [float('-inf'), 0.2], [0.3, -1.0],
+                           [1.5, 0.1], [bad, 0.4], [0.7, 2.0]],
+                          dtype=torch.float64, device=device)
+        v0 = torch.randn(3, 2, 3, dtype=torch.float64, device=device)
+        g = torch.randn(3, 2, 3, dtype=torch.float64, device=device)
+        got, want = [], []
+        for res, fn in ((got, lambda s, v: ops.softmax_aggregate(
+                            rowptr, col, s, v)),
+                        (want, lambda s, v: torch.zeros_like(v).index_add(
+                            0, row, pyg_softmax(s, row, num_nodes=3)
+                            .unsqueeze(-1) * v[col]))):
+            s, v = s0.clone().requires_grad_(), v0.clone().requires_grad_()
+            out = fn(s, v)
+            res += [out, *torch.autograd.grad(out, (s, v), g)]
+        assert got[1][4:, 0].isnan().all() and got[1][:4].isfinite().all()
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, equal_nan=True)
+
 def test_csr_to_csc_roundtrip():
     rowptr, col, Ns = make_graph('mixed')
     csc = ops.csr_to_csc(rowptr, col, Ns)

@@ -904,6 +904,28 @@ def test_func_transforms_and_forward_ad(name, how):
     torch.testing.assert_close(how(f, x, ei), how(p, x, ei))
 
 
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_nan_reaches_the_gradients(backend, device, name):
+    """One NaN in x: the output, x's gradient and every parameter's gradient
+    as PyG's, NaN where PyG's are NaN (the backward of a row whose weights
+    are NaN passes the NaN on to its sources)."""
+    p, f = _pair(name, 5, 3, heads=2)
+    x, ei = _graph(N=10, E=6, device=device)  # (NaN spreads to a few rows)
+    x[ei[0, 0], 1] = float('nan')
+    res = []
+    for layer in (p, f):
+        layer.to(device)
+        params = dict(layer.named_parameters())
+        xr = x.clone().requires_grad_()
+        out = layer(xr, ei)
+        res.append([out, *torch.autograd.grad(
+            out.sum(), [xr] + [params[n] for n in sorted(params)])])
+    assert res[1][1].isnan().any() and not res[1][1].isnan().all()
+    for a, b in zip(*res):
+        torch.testing.assert_close(b, a, equal_nan=True)
+
 @pytest.mark.parametrize('name', list(PAIRS))
 def test_vmap_attention_weights(name):
     """torch.func.vmap over a batch of x with return_attention_weights: the

@@ -257,7 +257,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_cpu(
           const acc_t* r_i = ri + i * H * 4;
           for (int64_t h = 0; h < H; ++h) {
             const acc_t lse_ih = r_i[4 * h + 1];
-            if (!std::isfinite(lse_ih)) {  // the row has no weight
+            if (!cpu::has_weight(lse_ih)) {
               gz_k[h] = scalar_t(0);
               continue;
             }

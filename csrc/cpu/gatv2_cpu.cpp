@@ -330,7 +330,7 @@ gatv2_attention_backward_cpu(
           const scalar_t* et_e =
               score.edge_term ? score.edge_term + e * HC : nullptr;
           for (int64_t h = 0; h < H; ++h) {
-            if (!std::isfinite(l[i * H + h])) continue;
+            if (!cpu::has_weight(l[i * H + h])) continue;
             const int64_t o = h * C;
             col_head_grads(xl_j + o, xr_i + o, et_e ? et_e + o : nullptr,
                            att.data() + o, go_i + o, p_ptr[e * H + h],

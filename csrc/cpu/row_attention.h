@@ -136,7 +136,7 @@ int64_t backward_row_scratch(const Pol& pol, int64_t H) {
 }
 
 // Backward, edges [b, e) of row i: per edge the score again, alpha =
-// exp(s - lse) (0 where lse is not finite: the row has no weight), g =
+// exp(s - lse) (0 where lse is -inf: the row has no weight), g =
 // mask * <grad_out[i], value>, grad_s = alpha * (g - delta) with delta =
 // <grad_out[i], out[i] - bias>, p = alpha * mask; then
 // tail(k, j, buf, grad_s [H], p [H], extra) (buf: the policy's scratch after
@@ -181,7 +181,7 @@ void backward_row_segment(const Pol& pol, const RowGraph<scalar_t, index_t>& g,
     for (int64_t h = 0; h < H; ++h) {
       const acc_t lse_ih = lse[i * H + h];
       acc_t gs = 0, p = 0;
-      if (std::isfinite(lse_ih)) {
+      if (cpu::has_weight(lse_ih)) {
         const acc_t alpha = std::exp(s[h] - lse_ih);
         acc_t gv = dot(go_i + h * C, vj + h * C, C);
         p = alpha;

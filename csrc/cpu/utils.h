@@ -228,6 +228,14 @@ PFA_FORCE_INLINE void prefetch_ahead(const index_t* idx, int64_t k, int64_t E,
 #endif
 }
 
+// Whether a row's lse gives its entries a weight: not for -inf (an empty
+// row, or all -inf). A NaN or +inf lse does (the weights are then NaN), so
+// the gradients carry the row's NaN as autograd through PyG's softmax does.
+template <typename T>
+inline bool has_weight(T lse) {
+  return lse != -std::numeric_limits<T>::infinity();
+}
+
 // leaky_relu(z) = z > 0 ? z : slope * z, and its derivative times g, without
 // a branch on the sign of z (random per edge: a branch mispredicts half the
 // time). Same values as the branchy form (a zero's sign aside); NaN and

@@ -73,12 +73,12 @@ __global__ void __launch_bounds__(kBlock)
 
 // Recomputed forward weight of one (edge, head) for the backward, from the
 // row's packed terms: z = a_src + a_dst + a_edge (the reference's order),
-// alpha = exp(leaky(z) - lse) (0 where lse is not finite: fin = false).
+// alpha = exp(leaky(z) - lse) (0 where lse is -inf: fin = false).
 template <typename A, typename R>
 __device__ __forceinline__ A bwd_alpha(A asrc, const R& r, A aedge,
                                        A slope, A& z, bool& fin) {
   z = asrc + row_adst(r) + aedge;
-  fin = is_finite(r.lse);
+  fin = has_weight(r.lse);
   return fin ? pfa_exp(leaky(z, slope) - r.lse) : A(0);
 }
 

@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(
 #pragma unroll
         for (int kh = 0; kh < NKH; ++kh) {
           p[kh] = gs[kh] = A(0);
-          if (sl.h[kh] >= 0 && is_finite(lb[kh])) {  // else no weight
+          if (sl.h[kh] >= 0 && has_weight(lb[kh])) {  // else no weight
             const A alpha = pfa_exp(s[kh] - lb[kh]);
             p[kh] = alpha * mb[kh];
             gs[kh] = alpha * (mb[kh] * g[kh] - db[kh]) * a.scale;
@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(
         g[kh] = head_sum(g[kh], L.g_log);
         p[kh] = A(0);
         gs[kh] = A(0);
-        if (sl.h[kh] >= 0 && is_finite(lb[kh])) {  // else no weight
+        if (sl.h[kh] >= 0 && has_weight(lb[kh])) {  // else no weight
           const A alpha = pfa_exp(s[kh] - lb[kh]);
           p[kh] = alpha * mb[kh];
           gs[kh] = alpha * (mb[kh] * g[kh] - db[kh]);

@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kBlock,
 #pragma unroll
         for (int kh = 0; kh < NKH; ++kh) {
           gs[kh] = p[kh] = A(0);
-          if (sl.h[kh] >= 0 && is_finite(lse[kh])) {  // else no weight
+          if (sl.h[kh] >= 0 && has_weight(lse[kh])) {  // else no weight
             const A alpha = pfa_exp(s[kh] - lse[kh]);
             const A mk = a.mask != nullptr ? to_acc(a.mask[e * H + sl.h[kh]]) : A(1);
             p[kh] = alpha * mk;
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kBlock,
       for (int kh = 0; kh < NKH; ++kh) {
         g[kh] = head_sum(g[kh], L.g_log);
         gs[kh] = A(0);
-        if (sl.h[kh] >= 0 && is_finite(lse[kh])) {  // else no weight
+        if (sl.h[kh] >= 0 && has_weight(lse[kh])) {  // else no weight
           const A alpha = pfa_exp(s[kh] - lse[kh]);
           const A mk = a.mask != nullptr ? to_acc(a.mask[e * H + sl.h[kh]]) : A(1);
           gs[kh] = alpha * (mk * g[kh] - delta[kh]);

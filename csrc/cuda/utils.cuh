@@ -64,8 +64,11 @@ template <typename A> __device__ __forceinline__ A neg_inf() {
 template <typename A> __device__ __forceinline__ A quiet_nan() {
   return static_cast<A>(NAN);
 }
-template <typename A> __device__ __forceinline__ bool is_finite(A x) {
-  return x - x == A(0);  // false for +-inf and NaN
+// Whether a row's lse gives its entries a weight: not for -inf (an empty
+// row, or all -inf). A NaN or +inf lse does (the weights are then NaN), so
+// the gradients carry the row's NaN as autograd through PyG's softmax does.
+template <typename A> __device__ __forceinline__ bool has_weight(A lse) {
+  return lse != neg_inf<A>();
 }
 
 // leaky_relu exactly as the reference writes it: z > 0 ? z : z * slope.
