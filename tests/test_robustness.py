@@ -69,6 +69,38 @@ def _bad_calls(device):
          'weights'),
         ('spmm col', lambda: ops.spmm(rowptr, t([9, 0, 0, 0, 0]), s, v),
          IndexError, 'col'),
+        ('segment_sum rowptr[-1]', lambda: ops.segment_sum(t([0, 2, 9]), s),
+         ValueError, 'rowptr[-1]'),
+        ('segment_sum perm range', lambda: ops.segment_sum(
+            rowptr, s, t([0, 9, 1, 2, 3])), IndexError, 'perm'),
+        ('segment_sum perm repeats', lambda: ops.segment_sum(
+            rowptr, s, t([0, 1, 1, 2, 3])), ValueError, 'repeat'),
+        ('segment_sum float perm', lambda: ops.segment_sum(
+            rowptr, s, t([0., 1., 2., 3., 4.])), TypeError, 'perm'),
+        ('sddmm_csr float col', lambda: ops.sddmm_csr(rowptr, col.float(),
+                                                      v[:3], v), TypeError,
+         'col'),
+        ('sddmm_csr 2-D rowptr', lambda: ops.sddmm_csr(rowptr.view(1, -1),
+                                                       col, v[:3], v),
+         ValueError, 'rowptr'),
+        ('csc of another graph', lambda: agg(
+            rowptr, col, s, v,
+            csc=ops.csr_to_csc(rowptr, t([1, 0, 2, 0, 3]), 4)),
+         ValueError, 'transpose'),
+        ('csc perm not a permutation', lambda: agg(
+            rowptr, col, s, v, csc=ops.CSC(*ops.csr_to_csc(rowptr, col, 4)[:2],
+                                           t([0, 0, 1, 2, 3]), None)),
+         ValueError, 'permutation'),
+        ('csc colptr', lambda: ops.spmm(rowptr, col, s, v, csc=ops.CSC(
+            t([0, 9, 3, 4, 5]), *ops.csr_to_csc(rowptr, col, 4)[1:])),
+         ValueError, 'csc.colptr'),
+        ('gatv2 att [C, H]', lambda: ops.gatv2_attention(
+            rowptr, col, v, v[:3], v[0].t()), ValueError, '`att`'),
+        ('csr_to_csc num_cols', lambda: ops.csr_to_csc(rowptr, col, -3),
+         ValueError, 'num_cols'),
+        ('validate under vmap', lambda: torch.vmap(
+            lambda r: agg(r, col, s, v))(rowptr.expand(2, -1)), ValueError,
+         'validate=False'),
     ]
 
 

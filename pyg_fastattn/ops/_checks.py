@@ -13,6 +13,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..reference import rows_of
+
 
 def _tracing() -> bool:
     compiler = getattr(torch, 'compiler', None)
@@ -20,6 +22,15 @@ def _tracing() -> bool:
         if compiler.is_compiling():
             return True
     return torch.jit.is_tracing() or torch.jit.is_scripting()
+
+
+def _check_unbatched(name: str, t: Optional[Tensor]):
+    """Index values batched by vmap cannot be read per sample: say so."""
+    if t is not None and (torch._C._functorch.is_batchedtensor(t) or
+                          torch._C._functorch.is_legacy_batchedtensor(t)):
+        raise ValueError(f'`{name}` is batched by torch.vmap: its values '
+                         f'cannot be checked; pass validate=False (the '
+                         f'kernels clamp every index)')
 
 
 def check_tensor(t, name: str, dims=None, floating: Optional[bool] = None):
@@ -65,6 +76,8 @@ def check_csr(rowptr: Tensor, col: Optional[Tensor], num_edges: int,
     ``num_edges``; ``col`` holds indices in ``[0, num_cols)``. One sync."""
     if _tracing():
         return
+    _check_unbatched(rowptr_name, rowptr)
+    _check_unbatched(col_name, col)
     if rowptr.numel() == 0:
         raise ValueError(f'`{rowptr_name}` must hold N + 1 >= 1 entries, got 0')
     flags = [rowptr[0] != 0, rowptr[-1] != num_edges]
@@ -88,10 +101,46 @@ def check_csr(rowptr: Tensor, col: Optional[Tensor], num_edges: int,
                          f'{int(col.max())}')
 
 
+def check_csc(csc, rowptr: Tensor, col: Tensor, num_cols: int):
+    """Validate a given transpose (``csr_to_csc``'s CSC, or None) of a CSR
+    graph that :func:`check_csr` passed: each CSR position once, in its
+    column, with its row (and ``inv`` its inverse). Host syncs."""
+    if csc is None or csc[0] is None or _tracing():
+        return
+    E = col.numel()
+    parts = [('csc.colptr', csc[0], num_cols + 1), ('csc.row', csc[1], E),
+             ('csc.perm', csc[2], E)]
+    if len(csc) > 3 and csc[3] is not None:
+        parts.append(('csc.inv', csc[3], E))
+    for name, t, n in parts:
+        check_tensor(t, name, dims=(1, ), floating=False)
+        if t.numel() != n:
+            raise ValueError(f'`{name}` must hold {n} entries, got '
+                             f'{t.numel()}')
+    check_csr(csc[0], None, E, rowptr_name='csc.colptr')
+    if E == 0:
+        return
+    p = csc[2].long()
+    if bool(((p < 0) | (p >= E)).any()) or bool(
+            torch.bincount(p, minlength=E).ne(1).any()):
+        raise ValueError(f'`csc.perm` must be a permutation of the {E} CSR '
+                         f'positions')
+    col_k = torch.repeat_interleave(
+        torch.arange(num_cols, device=col.device), csc[0].diff().long(),
+        output_size=E)
+    ok = [col.long()[p].eq(col_k).all(),
+          rows_of(rowptr, E).long()[p].eq(csc[1].long()).all()]
+    if len(parts) > 3:
+        ok.append(csc[3].long()[p].eq(torch.arange(E, device=p.device)).all())
+    if not bool(torch.stack(ok).all()):
+        raise ValueError('`csc` is not the transpose of `rowptr` / `col` '
+                         '(build it with csr_to_csc)')
+
 def check_index(index: Tensor, size: int, name: str):
     """Validate that ``index`` lies in ``[0, size)``. One sync."""
     if _tracing() or index.numel() == 0:
         return
+    _check_unbatched(name, index)
     lo, hi = torch.stack([index.min(), index.max()]).tolist()
     if lo < 0 or hi >= size:
         raise IndexError(f'`{name}` holds indices out of range [0, {size}): '

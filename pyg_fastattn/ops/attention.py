@@ -6,8 +6,8 @@ from torch import Tensor
 
 from ..reference import _opmath
 from . import _lib
-from ._checks import (cast_to, check_csr, check_same_device, check_tensor,
-                      index_pair)
+from ._checks import (cast_to, check_csc, check_csr, check_same_device,
+                      check_tensor, index_pair)
 from .csr import CSC, maybe_csc
 
 # For each row i (destination) and edge e = (j -> i) in it, per head h:
@@ -168,6 +168,7 @@ def softmax_aggregate(rowptr: Tensor, col: Tensor, scores: Tensor,
     rowptr, col = index_pair(rowptr, col)
     if validate:
         check_csr(rowptr, col, col.numel(), values.size(0))
+        check_csc(csc, rowptr, col, values.size(0))
     squeeze = scores.dim() == 1
     if squeeze:
         scores, values = scores.unsqueeze(1), values.unsqueeze(1)

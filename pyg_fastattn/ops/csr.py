@@ -35,6 +35,8 @@ def csr_to_csc(rowptr: Tensor, col: Tensor, num_cols: int,
     """
     check_tensor(rowptr, 'rowptr', dims=(1, ), floating=False)
     check_tensor(col, 'col', dims=(1, ), floating=False)
+    if num_cols < 0:
+        raise ValueError(f'`num_cols` must be >= 0, got {num_cols}')
     rowptr, col = index_pair(rowptr, col)
     if validate:
         check_csr(rowptr, col, col.numel(), num_cols)

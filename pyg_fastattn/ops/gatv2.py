@@ -7,8 +7,8 @@ from torch import Tensor
 
 from ..reference import _opmath
 from . import _lib
-from ._checks import (cast_to, check_csr, check_same_device, check_tensor,
-                      index_pair)
+from ._checks import (cast_to, check_csc, check_csr, check_same_device,
+                      check_tensor, index_pair)
 from .csr import CSC, maybe_csc
 
 # For each row i (destination) and edge e = (j -> i) in it, per head h and
@@ -162,13 +162,17 @@ def gatv2_attention(rowptr: Tensor, col: Tensor, x_l: Tensor, x_r: Tensor,
     check_same_device(rowptr=rowptr, col=col, x_l=x_l, x_r=x_r, att=att,
                       edge_term=edge_term, mask=mask, bias=bias)
     H, C = x_l.shape[1], x_l.shape[2]
-    for name, t in (('att', att), ('bias', bias)):
-        if t is not None and t.numel() != H * C:
-            raise ValueError(f'`{name}` must have H * C = {H * C} elements, '
-                             f'got shape {tuple(t.shape)}')
+    if tuple(att.shape[-2:]) != (H, C) or att.numel() != H * C:
+        raise ValueError(f'`att` must be [H, C] or [1, H, C] = [{H}, {C}] '
+                         f'(x_l\'s heads and channels), got shape '
+                         f'{tuple(att.shape)}')
+    if bias is not None and bias.numel() != H * C:
+        raise ValueError(f'`bias` must have H * C = {H * C} elements, got '
+                         f'shape {tuple(bias.shape)}')
     rowptr, col = index_pair(rowptr, col)
     if validate:
         check_csr(rowptr, col, col.numel(), x_l.size(0))
+        check_csc(csc, rowptr, col, x_l.size(0))
     dt = x_l.dtype
     x_r, edge_term, att, mask, bias = cast_to(dt, x_r, edge_term,
                                               att.reshape(H, C), mask, bias)

@@ -6,8 +6,8 @@ import torch
 from torch import Tensor
 
 from . import _lib
-from ._checks import (check_csr, check_index, check_same_device, check_tensor,
-                      index_pair)
+from ._checks import (check_csc, check_csr, check_index, check_same_device,
+                      check_tensor, index_pair)
 from .csr import CSC, maybe_csc, rows_of
 
 # out[e, h] = sum_c a[a_idx[e], h, c] * b[b_idx[e], h, c]  -> [E, H].
@@ -110,6 +110,8 @@ def sddmm_csr(rowptr: Tensor, col: Tensor, a: Tensor, b: Tensor,
         [E, H] (or [E]), in CSR order; 0 at positions past ``rowptr[N]``.
         Differentiable in ``a`` and ``b``; no sort, no atomics.
     """
+    check_tensor(rowptr, 'rowptr', dims=(1, ), floating=False)
+    check_tensor(col, 'col', dims=(1, ), floating=False)
     check_tensor(a, 'a', dims=(2, 3), floating=True)
     check_tensor(b, 'b', dims=(a.dim(), ), floating=True)
     check_same_device(rowptr=rowptr, col=col, a=a, b=b)
@@ -126,6 +128,7 @@ def sddmm_csr(rowptr: Tensor, col: Tensor, a: Tensor, b: Tensor,
                         f'{b.dtype}')
     if validate:
         check_csr(rowptr, col, col.numel(), b.size(0))
+        check_csc(csc, rowptr, col, b.size(0))
     csc = maybe_csc(csc, rowptr, col, b.size(0))
     if row is None:
         row = rows_of(rowptr, col.numel())

@@ -5,7 +5,8 @@ import torch
 from torch import Tensor
 
 from . import _lib
-from ._checks import check_csr, check_same_device, check_tensor, index_pair
+from ._checks import (_tracing, check_csc, check_csr, check_same_device,
+                      check_tensor, index_pair)
 from .csr import CSC, maybe_csc, rows_of
 
 # out[i, h, :] = sum_{e in row i} w[h] * values[col[e], h, :], where
@@ -102,6 +103,7 @@ def spmm(rowptr: Tensor, col: Tensor, weights: Optional[Tensor], values: Tensor,
     rowptr, col = index_pair(rowptr, col)
     if validate:
         check_csr(rowptr, col, col.numel(), values.size(0))
+        check_csc(csc, rowptr, col, values.size(0))
     squeeze = values.dim() == 2
     v = values.unsqueeze(1) if squeeze else values
     w = weights
@@ -117,11 +119,35 @@ def spmm(rowptr: Tensor, col: Tensor, weights: Optional[Tensor], values: Tensor,
     return out.squeeze(1) if squeeze else out
 
 
-def segment_sum(rowptr: Tensor, src: Tensor,
-                perm: Optional[Tensor] = None) -> Tensor:
+def segment_sum(rowptr: Tensor, src: Tensor, perm: Optional[Tensor] = None,
+                validate: bool = True) -> Tensor:
     r"""Deterministic per-row sum: ``out[i] = sum_{k in row i} src[perm[k]]``
-    (``src[k]`` without ``perm``). ``src`` [E, F] -> [N, F]. Differentiable in
-    ``src``; ``perm`` must be a permutation (each source read once)."""
-    if perm is not None and perm.dtype != rowptr.dtype:
-        perm = perm.to(rowptr.dtype)
+    (``src[k]`` without ``perm``).
+
+    Args:
+        rowptr: [N + 1] (int32/int64), ending at ``E``: the length of
+            ``perm``, or ``src.size(0)`` without it.
+        src: [E, F] (or [Ns, F] with ``perm``).
+        perm: [E] distinct indices into ``src`` (int32/int64), or None.
+        validate: check ``rowptr`` and ``perm`` (host syncs).
+
+    Returns:
+        [N, F]; empty rows give 0. Differentiable in ``src``.
+    """
+    check_tensor(rowptr, 'rowptr', dims=(1, ), floating=False)
+    check_tensor(src, 'src', dims=(2, ), floating=True)
+    if perm is not None:
+        check_tensor(perm, 'perm', dims=(1, ), floating=False)
+        check_same_device(rowptr=rowptr, src=src, perm=perm)
+        if perm.dtype != rowptr.dtype:
+            perm = perm.to(rowptr.dtype)
+    else:
+        check_same_device(rowptr=rowptr, src=src)
+    if validate:
+        n = src.size(0) if perm is None else perm.numel()
+        check_csr(rowptr, perm, n, src.size(0), col_name='perm')
+        if (perm is not None and perm.numel() > 0 and not _tracing()
+                and bool(torch.bincount(perm.long()).max() > 1)):
+            raise ValueError('`perm` must not repeat an index (each row of '
+                             '`src` is read once)')
     return _lib.op('segment_sum')(rowptr, perm, src)

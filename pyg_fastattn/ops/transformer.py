@@ -9,8 +9,8 @@ from torch.autograd.graph import increment_version
 
 from ..reference import _opmath
 from . import _lib
-from ._checks import (cast_to, check_csr, check_same_device, check_tensor,
-                      index_pair)
+from ._checks import (cast_to, check_csc, check_csr, check_same_device,
+                      check_tensor, index_pair)
 from .csr import CSC, maybe_csc
 
 # For each row i (destination) and edge e = (j -> i) in it, per head h and
@@ -241,6 +241,7 @@ def transformer_attention(rowptr: Tensor, col: Tensor, query: Tensor,
     rowptr, col = index_pair(rowptr, col)
     if validate:
         check_csr(rowptr, col, E, Ns)
+        check_csc(csc, rowptr, col, Ns)
     dt = key.dtype
     query, value, edge_term, mask = cast_to(dt, query, value, edge_term,
                                             mask)
