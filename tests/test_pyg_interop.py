@@ -926,6 +926,33 @@ def test_nan_reaches_the_gradients(backend, device, name):
     for a, b in zip(*res):
         torch.testing.assert_close(b, a, equal_nan=True)
 
+
+
+@pytest.mark.parametrize('how', [_func_jvp_x, _vmap_grad_x])
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_compiled_func_transforms(name, how):
+    """torch.compile over torch.func's jvp and vmap(grad): the layer sees
+    the transform while traced and takes PyG's message passing, as in eager;
+    PyG's eager results."""
+    p, f = _pair(name, 5, 3, heads=2)
+    x, ei = _graph()
+    torch._dynamo.reset()
+    got = torch.compile(lambda xx: how(f, xx, ei), backend='aot_eager')(x)
+    torch.testing.assert_close(got, how(p, x, ei))
+
+@pytest.mark.parametrize('p', [-0.5, 1.5])
+@pytest.mark.parametrize('name', list(PAIRS))
+def test_dropout_out_of_range_raises(name, p):
+    """Attention dropout outside [0, 1]: F.dropout's ValueError, in training
+    and in eval mode, as PyG's layers raise it."""
+    layers = _pair(name, 5, 3, heads=2, dropout=p)
+    x, ei = _graph()
+    for train in (True, False):
+        for layer in layers:
+            layer.train(train)
+            with pytest.raises(ValueError, match='dropout probability'):
+                layer(x, ei)
+
 @pytest.mark.parametrize('name', list(PAIRS))
 def test_vmap_attention_weights(name):
     """torch.func.vmap over a batch of x with return_attention_weights: the

@@ -61,12 +61,14 @@ except ImportError:  # pragma: no cover
     _interpreters, _AUTODIFF_TRANSFORMS = (lambda: None), ()
 
 
+# (torch.compile calls it once while tracing and keeps the answer: the
+# interpreter stack is not traceable, and a graph compiled under a transform
+# is guarded on that stack)
+@torch.compiler.assume_constant_result
 def _autodiff_transform() -> bool:
     """Whether a torch.func gradient transform (grad, vjp, jacrev, jvp,
     jacfwd) or a forward-mode AD level is active: the fused ops' autograd
     (a C++ autograd Function) runs under neither. (vmap alone runs them.)"""
-    if _is_compiling():
-        return False
     stack = _interpreters()
     if stack and any(i.key() in _AUTODIFF_TRANSFORMS for i in stack):
         return True
@@ -593,6 +595,9 @@ class FusedAttentionConv(MessagePassing):
         """Attention dropout multiplier [E, H] (keep / (1 - p)) in training
         with ``dropout > 0``, else None; fresh on every CUDA-graph replay."""
         p = float(self.dropout)
+        if not 0.0 <= p <= 1.0:  # F.dropout's check, met by PyG's layers
+            raise ValueError(f'dropout probability has to be between 0 and '
+                             f'1, but got {p}')
         if not self.training or p <= 0:
             return None
         if p >= 1.0:
