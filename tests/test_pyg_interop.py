@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch_geometric.nn import GATConv, GATv2Conv, TransformerConv
 
-from pyg_fastattn import FastGATConv, FastGATv2Conv, FastTransformerConv
+from pyg_fastattn import (FastGATConv, FastGATv2Conv, FastTransformerConv,
+                          prepare)
 
 from conftest import DEVICES, REPO
 
@@ -212,20 +213,29 @@ def test_lazy_layers_initialize_as_pyg(name):
                                p(x, ei, ea) if kw else p(x, ei))
 
 
+@pytest.mark.parametrize('made', ['normal', 'inference', 'prepared'])
 @pytest.mark.parametrize('name', list(PAIRS))
-def test_inference_mode_first(name):
+def test_inference_mode_first(name, made):
     """A first call under torch.inference_mode() (an evaluation before
-    training) does not cache a graph that training cannot use."""
+    training) leaves no graph that training cannot use: for an ordinary
+    edge_index, for one made under inference mode (an inference tensor),
+    and for a graph prepare()d there."""
     p, f = _pair(name, 5, 3, heads=2)
     x, ei = _graph()
     with torch.inference_mode():
-        f(x, ei)
+        g = ei.clone() if made == 'inference' else ei
+        if made == 'prepared':
+            g = prepare(ei, num_nodes=x.size(0),
+                        add_self_loops=getattr(f, 'add_self_loops', False))
+        f(x, g)
+    t = g.rowptr if made == 'prepared' else g
+    assert t.is_inference() == (made == 'inference')
     f.train(), p.train()
     f.dropout = p.dropout = 0.0
     grads = []
-    for layer in (p, f):
+    for layer, e in ((p, ei), (f, g)):
         xr = x.clone().requires_grad_()
-        layer(xr, ei).pow(2).sum().backward()
+        layer(xr, e).pow(2).sum().backward()
         grads.append(xr.grad)
     torch.testing.assert_close(grads[1], grads[0])
 

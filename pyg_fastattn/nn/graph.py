@@ -73,14 +73,13 @@ def is_sparse_adj(adj) -> bool:
     return _SparseTensor is not None and isinstance(adj, _SparseTensor)
 
 
-def _normal_tensors(like):
+def _normal_tensors():
     """Inside ``torch.inference_mode()``, a block that makes normal tensors
-    from the normal tensor ``like``: a graph prepared (and cached) there for
-    an ``edge_index`` made outside it must serve training calls later
-    (autograd cannot save inference tensors). Under ``torch.compile``
-    (which traces neither query) nothing is kept: no block."""
-    if (not _is_compiling() and torch.is_inference_mode_enabled()
-            and isinstance(like, Tensor) and not like.is_inference()):
+    (also from inference tensors): a graph prepared (and cached) there must
+    serve training calls later (autograd cannot save inference tensors).
+    Under ``torch.compile`` (which traces neither query) nothing is kept: no
+    block."""
+    if not _is_compiling() and torch.is_inference_mode_enabled():
         return torch.inference_mode(False)
     return contextlib.nullcontext()
 
@@ -191,7 +190,7 @@ class PreparedGraph:
         # Each CSR position's row (the tail past rowptr[N]: N), scattered to
         # its augmented position; the added loops' slots are cut off.
         E, L = self.num_edges, self.num_loops
-        with _normal_tensors(self.rowptr):
+        with _normal_tensors():
             pos = torch.arange(E + L, device=self.rowptr.device)
             fill = torch.empty_like(pos).scatter_(
                 0, self.csr_perm, self.dst_of(pos).clamp_(max=L))[:E]
@@ -204,7 +203,7 @@ class PreparedGraph:
         if self._csc is not None:
             return self._csc
         build = _build_csc if _is_compiling() else _csc_of
-        with _normal_tensors(self.rowptr):
+        with _normal_tensors():
             csc = CSC(*build(self.rowptr, self.col, self.num_src))
         # Kept only when built eagerly: a compiled graph's outputs may live
         # in memory that later replays (CUDA graphs) overwrite.
@@ -799,9 +798,10 @@ def prepare(edge_index, num_nodes: Optional[int] = None,
     if size is not None and num_nodes is not None:
         raise ValueError('pass either `num_nodes` or `size`, not both')
     ns, nd = (size if size is not None else (num_nodes, num_nodes))
-    graph = _prepare(edge_index, ns, nd, add_self_loops, validate, sorted)
-    if transpose and not _is_compiling():
-        graph.csc  # noqa: B018 (builds and keeps the transpose)
+    with _normal_tensors():  # (a graph prepared for inference may train)
+        graph = _prepare(edge_index, ns, nd, add_self_loops, validate, sorted)
+        if transpose and not _is_compiling():
+            graph.csc  # noqa: B018 (builds and keeps the transpose)
     return graph
 
 
@@ -829,8 +829,8 @@ class _GraphCache:
     After such a write call :func:`clear_cache`, or pass a new tensor. (An
     ``EdgeIndex`` is keyed on its data's counter too: writes through its
     ``as_tensor()`` are seen.) Under ``torch.inference_mode()`` the graph
-    of an ordinary ``edge_index`` is built from ordinary tensors, so that
-    training calls can reuse it.
+    is built from ordinary tensors (also for an ``edge_index`` made there),
+    so that training calls can reuse it.
     """
     def __init__(self, max_size: int = 8):
         self.max_size = max_size
@@ -865,7 +865,7 @@ class _GraphCache:
                 self._d.move_to_end(key)
                 self.hits += 1
                 return e.graph
-        with _normal_tensors(edge_index):
+        with _normal_tensors():
             graph = _prepare(edge_index, num_src, num_dst, add_self_loops)
         try:
             ref = weakref.ref(edge_index, lambda r, k=key: self._drop(k, r))
