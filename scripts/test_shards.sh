@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Split tests/test_*.py into N shards of about equal run time (one line of
 # pytest arguments per shard): the heaviest item first, each to the
-# least-loaded shard. The two files whose tests each run for minutes
-# (test_train.py, test_robustness.py) are split into their test functions
-# (pytest node ids), so that no shard waits on a whole file of them.
+# least-loaded shard. The files whose tests each run for minutes
+# (test_train.py, test_robustness.py, test_compile.py) are split into their
+# test functions (pytest node ids), so that no shard waits on a whole file
+# of them.
 # Weights: rough seconds on the H200 machine's 16 cores in 12 shards
 # (whole-suite run of 2026-12-05, `--durations`); unknown items weigh 3.
 #   scripts/test_shards.sh 5                 # every tests/test_*.py
@@ -27,7 +28,9 @@ weight() {
         test_robustness.py::test_no_compiler_falls_back_to_reference) echo 18 ;;
         test_robustness.py::test_reference_backend_env) echo 14 ;;
         test_robustness.py::*) echo 3 ;;
-        test_compile.py) echo 180 ;;
+        test_compile.py::test_opcheck | test_compile.py::test_inductor_*) echo 40 ;;
+        test_compile.py::test_compiled_* | test_compile.py::test_autocast_*) echo 25 ;;
+        test_compile.py::*) echo 10 ;;
         test_gatv2.py) echo 90 ;;
         test_transformer_conv.py | test_transformer_attention.py) echo 95 ;;
         test_ops.py | test_hub.py) echo 90 ;;
@@ -42,7 +45,7 @@ weight() {
 # Files of slow tests go in as their test functions.
 split() {
     case $(basename "$1") in
-        test_train.py | test_robustness.py)
+        test_train.py | test_robustness.py | test_compile.py)
             sed -n 's/^def \(test_[A-Za-z0-9_]*\).*/\1/p' "$1" | sed "s|^|$1::|" ;;
         *) echo "$1" ;;
     esac
