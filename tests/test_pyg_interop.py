@@ -317,6 +317,31 @@ def test_edge_index_sparse_size_checked():
 
 
 
+@pytest.mark.parametrize('xdst', [False, True])
+@pytest.mark.parametrize('loops', [True, False])
+@pytest.mark.parametrize('name', ['gat', 'gatv2'])
+def test_edge_index_sizes_set_destinations(name, loops, xdst):
+    """Without x_dst (``(x_src, None)``) and ``size``, an EdgeIndex's sparse
+    size sets the destination count, grown by the added self-loops as PyG's
+    add_self_loops grows it; where x_dst is x, a size smaller than its
+    loops is grown the same way. PyG's outputs, or PyG's error."""
+    from torch_geometric import EdgeIndex
+    x = torch.randn(6, 5, dtype=torch.float64)
+    raw = torch.tensor([[0, 5, 3, 2], [1, 0, 1, 1]])
+    kw = dict(add_self_loops=loops)
+    p, f = _pair(name, 5 if xdst else (5, 5), 3, heads=2, **kw)
+    for size in [(6, 2), (6, 6), (6, 8), (None, 2), (7, 6)]:
+        e = EdgeIndex(raw, sparse_size=size)
+        xx = x if xdst else (x, None)
+        try:
+            want = p(xx, e)
+        except (AssertionError, ValueError, IndexError, RuntimeError) as err:
+            with pytest.raises(type(err)):
+                f(xx, e)
+        else:
+            torch.testing.assert_close(f(xx, e), want)
+
+
 @pytest.mark.parametrize('name,loops', [('gat', True), ('gat', False),
                                         ('gatv2', True), ('gatv2', False),
                                         ('transformer', None)])

@@ -21,7 +21,8 @@ from torch_geometric.utils import scatter
 
 from .. import ops
 from .graph import (PreparedGraph, _EdgeIndex, _is_compiling,
-                    _sparse_tensor_cls, get_graph, is_sparse_adj)
+                    _sparse_tensor_cls, default_num_dst, get_graph,
+                    is_sparse_adj)
 
 __all__ = ['FusedAttentionConv', 'AdditiveScore', 'plain_linear']
 
@@ -423,7 +424,8 @@ class FusedAttentionConv(MessagePassing):
 
         if isinstance(edge_index, Tensor):
             Nd = (x_dst.size(0) if x_dst is not None else
-                  size[1] if size is not None and size[1] is not None else Ns)
+                  size[1] if size is not None and size[1] is not None else
+                  default_num_dst(edge_index, Ns, loops))
             return get_graph(edge_index, Ns, Nd, loops)
 
         raise ValueError(  # (PyG's propagate: a ValueError)

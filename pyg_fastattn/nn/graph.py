@@ -668,14 +668,19 @@ def _build(src: Tensor, dst: Tensor, num_src: int, num_dst: int,
                          index_dtype)
 
 
-def _edge_index_meta(edge_index, num_src, num_dst):
+def _edge_index_meta(edge_index, num_src, num_dst, add_self_loops=False):
     """Sizes, sort order and cached pointers of a ``torch_geometric.EdgeIndex``
     (what it knows without computing): (num_src, num_dst, sorted_by_dst,
     dst_ptr, csc parts ``(colptr, perm)`` or None). Node counts that
-    disagree with its sparse size raise, as PyG's layers do."""
+    disagree with its sparse size raise, as PyG's layers do; with
+    self-loops a size grows to the ``min(num_src, num_dst)`` nodes that get
+    loops, as PyG's ``add_self_loops`` grows it."""
     ns, nd = edge_index.sparse_size()
+    L = (min(num_src, num_dst) if add_self_loops and None not in
+         (num_src, num_dst) else 0)
     for want, got in ((num_src, ns), (num_dst, nd)):
-        if want is not None and got is not None and want != got:
+        if (want is not None and got is not None and want != got
+                and not (got < want == L)):
             raise ValueError(f'Encountered tensor with size {want} in '
                              f'dimension 0, but expected size {got}.')
     num_src = ns if num_src is None else num_src
@@ -687,6 +692,18 @@ def _edge_index_meta(edge_index, num_src, num_dst):
             edge_index._T_indptr is not None:
         T = (edge_index._T_indptr, edge_index._T_perm)
     return num_src, num_dst, by_dst, dst_ptr, T
+
+
+def default_num_dst(edge_index, num_src: int, add_self_loops: bool) -> int:
+    """The destination count of a layer call without ``x_dst`` or
+    ``size[1]``, as PyG's layers take it: an ``EdgeIndex``'s own (grown to
+    ``num_src`` by added self-loops), else ``num_src``."""
+    if (_EdgeIndex is not None and isinstance(edge_index, _EdgeIndex)
+            and not _is_compiling()):
+        nd = edge_index.sparse_size(1)
+        if nd is not None:
+            return max(nd, num_src) if add_self_loops else nd
+    return num_src
 
 
 def _plain(t: Tensor) -> Tensor:
@@ -732,7 +749,7 @@ def _prepare(edge_index, num_src: Optional[int], num_dst: Optional[int],
     if (_EdgeIndex is not None and isinstance(edge_index, _EdgeIndex)
             and not _is_compiling()):
         num_src, num_dst, by_dst, dst_ptr, T = _edge_index_meta(
-            edge_index, num_src, num_dst)
+            edge_index, num_src, num_dst, add_self_loops)
         if sorted is None:
             sorted = by_dst
     if type(edge_index) is not Tensor and not _is_compiling():
