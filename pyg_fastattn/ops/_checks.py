@@ -71,16 +71,18 @@ def index_pair(rowptr: Tensor, col: Tensor):
 
 def check_csr(rowptr: Tensor, col: Optional[Tensor], num_edges: int,
               num_cols: Optional[int] = None, rowptr_name: str = 'rowptr',
-              col_name: str = 'col'):
+              col_name: str = 'col', tail: bool = False):
     """Validate a CSR structure: rowptr starts at 0, never decreases, ends at
-    ``num_edges``; ``col`` holds indices in ``[0, num_cols)``. One sync."""
+    ``num_edges`` (at most, with ``tail``: entries past it are unused);
+    ``col`` holds indices in ``[0, num_cols)``. One sync."""
     if _tracing():
         return
     _check_unbatched(rowptr_name, rowptr)
     _check_unbatched(col_name, col)
     if rowptr.numel() == 0:
         raise ValueError(f'`{rowptr_name}` must hold N + 1 >= 1 entries, got 0')
-    flags = [rowptr[0] != 0, rowptr[-1] != num_edges]
+    flags = [rowptr[0] != 0,
+             rowptr[-1] > num_edges if tail else rowptr[-1] != num_edges]
     flags.append((rowptr[1:] < rowptr[:-1]).any() if rowptr.numel() > 1 else
                  rowptr.new_zeros((), dtype=torch.bool))
     check_col = col is not None and num_cols is not None and col.numel() > 0
@@ -91,8 +93,9 @@ def check_csr(rowptr: Tensor, col: Optional[Tensor], num_edges: int,
         raise ValueError(f'`{rowptr_name}` must start at 0, got '
                          f'{int(rowptr[0])}')
     if bad[1]:
-        raise ValueError(f'`{rowptr_name}[-1]` must equal the number of edges '
-                         f'({num_edges}), got {int(rowptr[-1])}')
+        raise ValueError(f'`{rowptr_name}[-1]` must '
+                         f'{"be at most" if tail else "equal"} the number of '
+                         f'edges ({num_edges}), got {int(rowptr[-1])}')
     if bad[2]:
         raise ValueError(f'`{rowptr_name}` must be non-decreasing')
     if check_col and (bad[3] or bad[4]):

@@ -125,8 +125,9 @@ def segment_sum(rowptr: Tensor, src: Tensor, perm: Optional[Tensor] = None,
     (``src[k]`` without ``perm``).
 
     Args:
-        rowptr: [N + 1] (int32/int64), ending at ``E``: the length of
-            ``perm``, or ``src.size(0)`` without it.
+        rowptr: [N + 1] (int32/int64), ending at most at ``E``, the length
+            of ``perm`` (or ``src.size(0)`` without it); entries past
+            ``rowptr[N]`` are not read.
         src: [E, F] (or [Ns, F] with ``perm``).
         perm: [E] distinct indices into ``src`` (int32/int64), or None.
         validate: check ``rowptr`` and ``perm`` (host syncs).
@@ -145,7 +146,7 @@ def segment_sum(rowptr: Tensor, src: Tensor, perm: Optional[Tensor] = None,
         check_same_device(rowptr=rowptr, src=src)
     if validate:
         n = src.size(0) if perm is None else perm.numel()
-        check_csr(rowptr, perm, n, src.size(0), col_name='perm')
+        check_csr(rowptr, perm, n, src.size(0), col_name='perm', tail=True)
         if (perm is not None and perm.numel() > 0 and not _tracing()
                 and bool(torch.bincount(perm.long()).max() > 1)):
             raise ValueError('`perm` must not repeat an index (each row of '
