@@ -16,7 +16,9 @@ from .csr import CSC, maybe_csc
 #   alpha = softmax over the row of s;  p[e] = alpha[e] * mask[e]
 #   out[i] = sum_e p[e] * values[j]              -> out [N, H, C]
 #   lse[i] = log sum_e exp(s[e])                 -> [N, H], float32 (float64)
-# Empty rows and rows whose s are all -inf give out = 0, lse = -inf. bias
+# Empty rows and rows whose s are all -inf give out = 0, lse = -inf; a NaN
+# (or +inf) s makes its row's out and lse NaN, and the backward passes the
+# NaN on to that row's gradients (as autograd through a softmax). bias
 # (H * C elements, values' dtype) is added to every row of out (empty ones
 # too) in the same store. colptr/csc_row/csc_perm/csc_inv: the transpose
 # (csr_to_csc), read only by the backward (built there when absent).
