@@ -342,6 +342,40 @@ def test_edge_index_sizes_set_destinations(name, loops, xdst):
             torch.testing.assert_close(f(xx, e), want)
 
 
+def test_edge_index_sizes_under_compile():
+    """The EdgeIndex's destination count holds under torch.compile
+    (fullgraph) as in eager: PyG's output shape and numbers."""
+    from torch_geometric import EdgeIndex
+    x = torch.randn(6, 5, dtype=torch.float64)
+    e = EdgeIndex(torch.tensor([[0, 5, 3, 2], [1, 0, 1, 1]]),
+                  sparse_size=(6, 2))
+    p, f = _pair('gat', (5, 5), 3, heads=2, add_self_loops=False)
+    torch._dynamo.reset()
+    got = torch.compile(f, backend='aot_eager', fullgraph=True)((x, None), e)
+    torch.testing.assert_close(got, p((x, None), e))
+
+
+@pytest.mark.parametrize('idx', [torch.int32, torch.int64])
+def test_inference_mode_edge_index_caches(idx):
+    """prepare() under inference mode of an EdgeIndex made there, sorted by
+    destination with its transpose cached: no inference tensor in the graph
+    (the cached transpose is copied), and the graph trains."""
+    from torch_geometric import EdgeIndex
+    x, ei = _graph()
+    p, f = _pair('transformer', 5, 3, heads=2)
+    with torch.inference_mode():
+        e = EdgeIndex(ei.to(idx), sparse_size=(10, 10)).sort_by('col')[0]
+        e.get_csr()  # fills the transpose cache
+        g = prepare(e, num_nodes=10, add_self_loops=False)
+    assert not any(t.is_inference() for t in (g.rowptr, g.col, *g.csc))
+    res = []
+    for layer, edges in ((p, ei), (f, g)):
+        xr = x.clone().requires_grad_()
+        layer(xr, edges).pow(2).sum().backward()
+        res.append(xr.grad)
+    torch.testing.assert_close(res[1], res[0])
+
+
 @pytest.mark.parametrize('name,loops', [('gat', True), ('gat', False),
                                         ('gatv2', True), ('gatv2', False),
                                         ('transformer', None)])

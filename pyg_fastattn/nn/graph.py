@@ -698,9 +698,11 @@ def default_num_dst(edge_index, num_src: int, add_self_loops: bool) -> int:
     """The destination count of a layer call without ``x_dst`` or
     ``size[1]``, as PyG's layers take it: an ``EdgeIndex``'s own (grown to
     ``num_src`` by added self-loops), else ``num_src``."""
-    if (_EdgeIndex is not None and isinstance(edge_index, _EdgeIndex)
-            and not _is_compiling()):
-        nd = edge_index.sparse_size(1)
+    if _EdgeIndex is not None and isinstance(edge_index, _EdgeIndex):
+        # (the attribute, not sparse_size(): torch.compile traces it)
+        sizes = getattr(edge_index, '_sparse_size', None)
+        nd = (sizes[1] if sizes is not None else
+              None if _is_compiling() else edge_index.sparse_size(1))
         if nd is not None:
             return max(nd, num_src) if add_self_loops else nd
     return num_src
@@ -722,6 +724,8 @@ def _csc_from_transpose(T, src, dst, rowptr_dtype, num_src) -> Optional[CSC]:
     colptr, perm = T
     if colptr.numel() != num_src + 1:
         return None
+    if colptr.is_inference():  # the EdgeIndex's caches, made for inference
+        colptr, perm = colptr.clone(), perm.clone()
     perm = perm.long()
     inv = torch.empty_like(perm).scatter_(
         0, perm, torch.arange(perm.numel(), device=perm.device))
