@@ -232,12 +232,18 @@ def test_inference_mode_first(name, made):
     assert t.is_inference() == (made == 'inference')
     f.train(), p.train()
     f.dropout = p.dropout = 0.0
-    grads = []
-    for layer, e in ((p, ei), (f, g)):
-        xr = x.clone().requires_grad_()
-        layer(xr, e).pow(2).sum().backward()
-        grads.append(xr.grad)
+    grads = _x_grads(x, (p, ei), (f, g))
     torch.testing.assert_close(grads[1], grads[0])
+
+
+def _x_grads(x, *calls):
+    """x's gradient of sum(layer(x, edges)^2) for each (layer, edges)."""
+    grads = []
+    for layer, edges in calls:
+        xr = x.clone().requires_grad_()
+        layer(xr, edges).pow(2).sum().backward()
+        grads.append(xr.grad)
+    return grads
 
 
 def test_gat_lin_edge_is_called():
@@ -368,11 +374,7 @@ def test_inference_mode_edge_index_caches(idx):
         e.get_csr()  # fills the transpose cache
         g = prepare(e, num_nodes=10, add_self_loops=False)
     assert not any(t.is_inference() for t in (g.rowptr, g.col, *g.csc))
-    res = []
-    for layer, edges in ((p, ei), (f, g)):
-        xr = x.clone().requires_grad_()
-        layer(xr, edges).pow(2).sum().backward()
-        res.append(xr.grad)
+    res = _x_grads(x, (p, ei), (f, g))
     torch.testing.assert_close(res[1], res[0])
 
 
