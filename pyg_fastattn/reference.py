@@ -42,6 +42,21 @@ def _pad_row(x: Tensor) -> Tensor:
     return torch.cat([x, x.new_zeros((1, ) + tuple(x.shape[1:]))], dim=0)
 
 
+def _backward_weights(s: Tensor, lse: Tensor, row: Tensor,
+                      N: int) -> Tuple[Tensor, Tensor]:
+    """The forward's weights again in a backward: ``alpha = exp(s - lse)``
+    per entry [E, H], and where an entry has one (``weighted``): not in a
+    row whose ``lse`` is -inf (empty or all -inf) nor past ``rowptr[N]``. A
+    NaN or +inf ``lse`` gives NaN weights, so its NaN reaches the
+    gradients as autograd through a softmax carries it."""
+    lse_p = _pad_row(lse)[row]
+    weighted = (lse_p != float('-inf')) & (row < N).view(-1, 1)
+    alpha = torch.where(
+        weighted, torch.exp(s - torch.where(weighted, lse_p, 0.)),
+        torch.zeros_like(s))
+    return weighted, alpha
+
+
 def _row_softmax(rowptr: Tensor, row: Tensor,
                  s: Tensor) -> Tuple[Tensor, Tensor]:
     """Softmax of ``s`` [E, H] over each row; returns (alpha, lse [N, H]).
@@ -170,11 +185,7 @@ def attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
     t = _opmath(values.dtype)
     row, z, s = _attention_scores(rowptr, col, a_src, a_dst, a_edge,
                                   negative_slope, t)
-    lse_p = _pad_row(lse.to(t))[row]
-    weighted = (lse_p != float('-inf')) & (row < N).view(-1, 1)
-    alpha = torch.where(
-        weighted, torch.exp(s - torch.where(weighted, lse_p, 0.)),
-        torch.zeros_like(s))
+    weighted, alpha = _backward_weights(s, lse.to(t), row, N)
     m = mask.to(t) if mask is not None else torch.ones_like(alpha)
     go = _pad_row(grad_out.to(t))
     g = m * (go[row] * values[_safe(col, row < N)].to(t)).sum(-1)
@@ -321,11 +332,7 @@ def gatv2_attention_backward(rowptr: Tensor, col: Tensor, colptr: Tensor,
     t = _opmath(x_l.dtype)
     row, j, z, lz, s = _gatv2_scores(rowptr, col, x_l, x_r, edge_term, att,
                                      negative_slope, t)
-    lse_p = _pad_row(lse.to(t))[row]
-    weighted = (lse_p != float('-inf')) & (row < N).view(-1, 1)
-    alpha = torch.where(
-        weighted, torch.exp(s - torch.where(weighted, lse_p, 0.)),
-        torch.zeros_like(s))
+    weighted, alpha = _backward_weights(s, lse.to(t), row, N)
     p = alpha * mask.to(t) if mask is not None else alpha
     go = _pad_row(grad_out.to(t))[row]  # [E, H, C]
     g = (go * x_l[j].to(t)).sum(-1)
@@ -410,11 +417,7 @@ def transformer_attention_backward(rowptr: Tensor, col: Tensor,
     row, j, q, k, v = _transformer_terms(rowptr, col, query, key, value,
                                          edge_term, t)
     s = scale * (q * k).sum(-1)
-    lse_p = _pad_row(lse.to(t))[row]
-    weighted = (lse_p != float('-inf')) & (row < N).view(-1, 1)
-    alpha = torch.where(
-        weighted, torch.exp(s - torch.where(weighted, lse_p, 0.)),
-        torch.zeros_like(s))
+    weighted, alpha = _backward_weights(s, lse.to(t), row, N)
     p = alpha * mask.to(t) if mask is not None else alpha
     go = _pad_row(grad_out.to(t))[row]  # [E, H, C]
     g = (go * v).sum(-1)
