@@ -95,11 +95,26 @@ def resident_mib(device: torch.device) -> Optional[float]:
     return rss_mib()
 
 
+def cuda_error(device: torch.device) -> Optional[str]:
+    """The error a device sync raises once a kernel has left the CUDA context
+    unusable (a sticky error such as an illegal or misaligned address: every
+    later CUDA call fails too); None while the device works."""
+    if device.type != 'cuda':
+        return None
+    try:
+        torch.cuda.synchronize(device)
+    except Exception as e:  # noqa: BLE001
+        return f'{type(e).__name__}: {(str(e).strip().splitlines() or [""])[0][:200]}'
+    return None
+
+
 def free_memory(device: torch.device):
+    """Collect garbage and hand cached memory back. Never raises: a lost
+    CUDA context is reported by :func:`cuda_error`."""
     gc.collect()
     if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+        if cuda_error(device) is None:
+            torch.cuda.empty_cache()
     else:
         _malloc_trim()
 

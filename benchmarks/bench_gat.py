@@ -85,7 +85,7 @@ from _env import (  # noqa: E402
     REPO, env_info, env_lines, loadavg, pick_device, setup_threads)
 from _graphs import SKEWED_DOC, generator, randn, skewed_csr  # noqa: E402
 from _memory import (  # noqa: E402
-    free_memory, guarded, peak_memory_mib, resident_mib)
+    cuda_error, free_memory, guarded, peak_memory_mib, resident_mib)
 from _report import fmt, fmt_count, md_table, write_outputs  # noqa: E402
 from _timing import Budget, add_timing_args, sync, time_fn  # noqa: E402
 
@@ -968,19 +968,29 @@ def main(argv=None):
               [p for p in provs if p in COMPILED]]
     workloads = [w for w in plan(dev, args.quick)
                  if not only or any(o in w[0] or o in w[1] for o in only)]
+    lost = None  # set when a failure leaves the CUDA context unusable
+    not_run = []
     for pas in passes:
         if not pas:
             continue
         for name, _, build in workloads:
+            label = name if pas is passes[0] else f'{name} [{",".join(pas)}]'
+            if lost:
+                not_run.append((label, pas))
+                continue
             if budget.spent():
-                skipped.append(name if pas is passes[0]
-                               else f'{name} [{",".join(pas)}]')
+                skipped.append(label)
                 continue
             t0 = time.perf_counter()
             st, recs, msg = guarded(lambda: build(pas), dev)
             if st != 'ok':
                 recs = [dict(workload=name, provider=','.join(pas), status=st,
                              message=msg)]
+            err = cuda_error(dev)
+            if err:
+                lost = f'{label}: {err}'
+                print(f'[gat] the CUDA context is lost after {lost}; no '
+                      f'later workload can run in this process', flush=True)
             records += recs
             add_ratios(records)
             print(f'[gat] {name}: ' + ', '.join(summary(r) for r in recs)
@@ -995,6 +1005,10 @@ def main(argv=None):
     md = markdown(meta, records)
     if skipped:
         md += f'\nSkipped (time budget): {", ".join(skipped)}\n'
+    if lost:
+        meta['cuda_context_lost'] = lost
+        md += (f'\nThe CUDA context was lost after {lost}. Not run: '
+               f'{", ".join(n for n, _ in not_run) or "-"}\n')
     paths = write_outputs(out_dir, stem, meta, order_records(records), md)
     png = plot(meta, records, out_dir / f'{stem}.png')
     print()
@@ -1003,6 +1017,7 @@ def main(argv=None):
           + (f', {png}' if png else ''))
     bad = [r for r in records if r.get('provider', '').startswith('fast')
            and r.get('status') not in ('ok', 'skipped')]
+    bad += [n for n, pas in not_run if any(p.startswith('fast') for p in pas)]
     return 1 if bad or (FastGATConv is None and not args.fast_impl) else 0
 
 

@@ -44,7 +44,7 @@ from _env import (  # noqa: E402
     bandwidth, env_info, env_lines, loadavg, pick_device, setup_threads)
 from _graphs import (  # noqa: E402
     SKEWED_DOC, generator, nbytes, randn, random_csr, skewed_csr)
-from _memory import free_memory, guarded, peak_memory_mib  # noqa: E402
+from _memory import cuda_error, free_memory, guarded, peak_memory_mib  # noqa: E402
 from _report import fmt, md_table, write_outputs  # noqa: E402
 from _timing import (  # noqa: E402
     Budget, add_timing_args, count_launches, sync, time_fn)
@@ -549,8 +549,13 @@ def main(argv=None):
     records: List[dict] = []
     baselines: Dict[tuple, str] = {}
     skipped = []
+    lost = None  # set when a failure leaves the CUDA context unusable
+    not_run = []
     for op, build in plan(dev, args.quick):
         if only and op not in only:
+            continue
+        if lost:
+            not_run.append(op)
             continue
         if budget.spent():
             skipped.append(op)
@@ -565,10 +570,18 @@ def main(argv=None):
         if args.no_seed and cases and cases[0].seed:
             continue
         for case in cases:
+            if lost:
+                not_run.append(f'{case.op} {case.size} {case.mode}')
+                continue
             if budget.spent():
                 skipped.append(f'{case.op} {case.size} {case.mode}')
                 continue
             recs = run_case(case, dev, args, bw_ref)
+            err = cuda_error(dev)
+            if err:
+                lost = f'{case.op} {case.size} {case.mode}: {err}'
+                print(f'[{case.op}] the CUDA context is lost after {lost}; '
+                      f'no later case can run in this process', flush=True)
             records += recs
             baselines[(case.op, case.size, case.mode)] = case.baseline
             by = {r['impl']: r for r in recs}
@@ -590,12 +603,16 @@ def main(argv=None):
     md = markdown(meta, records, baselines, args)
     if skipped:
         md += f'\nSkipped (time budget): {", ".join(skipped)}\n'
+    if lost:
+        meta['cuda_context_lost'] = lost
+        md += (f'\nThe CUDA context was lost after {lost}. Not run: '
+               f'{", ".join(not_run) or "-"}\n')
     paths = write_outputs(out_dir, stem, meta, records, md)
     print()
     print(md)
     print(f"wrote {paths['md']}, {paths['json']}, {paths['csv']}")
     bad = [r for r in records if r['impl'] == 'ours' and r.get('status') != 'ok']
-    return 1 if bad else 0
+    return 1 if bad or not_run else 0
 
 
 if __name__ == '__main__':
