@@ -357,6 +357,9 @@ def test_edge_index_sizes_under_compile():
                   sparse_size=(6, 2))
     p, f = _pair('gat', (5, 5), 3, heads=2, add_self_loops=False)
     torch._dynamo.reset()
+    # aot_eager: with a cold inductor cache, inductor raises
+    # PendingUnbackedSymbolNotFound on this EdgeIndex under pytest for PyG's
+    # own GATConv as well (torch 2.13); the size is read by dynamo either way
     got = torch.compile(f, backend='aot_eager', fullgraph=True)((x, None), e)
     torch.testing.assert_close(got, p((x, None), e))
 
