@@ -45,6 +45,11 @@
 #          tests of test_robustness.py and test_hub.py, native backend), with
 #          PyTorch's caching allocator off so that every buffer is its own
 #          allocation (not in the default set)
+#   script  $SCRIPT (a command line, e.g. "python3 .data/probe.py") in this
+#          script's environment, so that it loads the library the build step
+#          loaded (a probe started outside gpu_check.sh with other settings
+#          has rebuilt the extension twice); logged to script.log, its tail
+#          in bench.log (not in the default set; last of the steps)
 #   cpubench  benchmarks/bench_gat.py --device cpu on this machine's cores
 #          (CPU_BENCH_ONLY, default "Cora epoch"; CPU_BENCH_CONV, default
 #          gat; providers pyg,fast,floor; not in the default set)
@@ -111,7 +116,7 @@ RESERVE=15 # for the final collection
 START=$SECONDS
 
 # ---------------------------------------------------------------- arguments
-want_info=1 want_build=0 want_tests=0 want_ops=0 want_gat=0 want_profile=0 want_ddp=0 want_prepare=0 want_cpubench=0 want_ncu=0 want_sanitize=0 want_ab=0
+want_info=1 want_build=0 want_tests=0 want_ops=0 want_gat=0 want_profile=0 want_ddp=0 want_prepare=0 want_cpubench=0 want_ncu=0 want_sanitize=0 want_ab=0 want_script=0
 cuda_only=0 quick=""
 if [ $# -eq 0 ]; then
     want_build=1 want_tests=1 want_ops=1 want_gat=1
@@ -130,6 +135,7 @@ for a in "$@"; do
         ncu) want_ncu=1 ;;
         sanitize) want_sanitize=1 ;;
         ab) want_ab=1 ;;
+        script) want_script=1 ;;
         ops) want_ops=1 ;;
         gat) want_gat=1 ;;
         bench) want_ops=1 want_gat=1 ;;
@@ -139,7 +145,7 @@ for a in "$@"; do
             exit 0
             ;;
         *)
-            echo "unknown step '$a' (info build tests cudatests ops gat bench profile prepare ddp ab ncu sanitize cpubench all quick)" >&2
+            echo "unknown step '$a' (info build tests cudatests ops gat bench profile prepare ddp ab ncu sanitize cpubench script all quick)" >&2
             exit 2
             ;;
     esac
@@ -149,11 +155,11 @@ done
 # MIN_<STEP> overrides)
 MIN_TESTS_CUDA=${MIN_TESTS_CUDA:-45} MIN_TESTS=${MIN_TESTS:-60} MIN_OPS=${MIN_OPS:-90} MIN_GAT=${MIN_GAT:-120}
 MIN_PROFILE=${MIN_PROFILE:-60} MIN_PREPARE=${MIN_PREPARE:-40} MIN_DDP=${MIN_DDP:-40} MIN_CPUBENCH=${MIN_CPUBENCH:-60}
-MIN_NCU=${MIN_NCU:-60} MIN_SANITIZE=${MIN_SANITIZE:-60} MIN_AB=${MIN_AB:-40}
+MIN_NCU=${MIN_NCU:-60} MIN_SANITIZE=${MIN_SANITIZE:-60} MIN_AB=${MIN_AB:-40} MIN_SCRIPT=${MIN_SCRIPT:-30}
 
 reserved_after() { # sum of the minimum shares of the wanted steps after $1
     local s=0 seen=0 st
-    for st in info build tests_cuda tests ops gat profile prepare ddp ab ncu sanitize cpubench; do
+    for st in info build tests_cuda tests ops gat profile prepare ddp ab ncu sanitize cpubench script; do
         if [ $seen -eq 1 ]; then
             case $st in
                 tests_cuda) [ $want_tests -eq 1 ] && s=$((s + MIN_TESTS_CUDA)) ;;
@@ -167,6 +173,7 @@ reserved_after() { # sum of the minimum shares of the wanted steps after $1
                 ab) [ $want_ab -eq 1 ] && s=$((s + MIN_AB)) ;;
                 ncu) [ $want_ncu -eq 1 ] && s=$((s + MIN_NCU)) ;;
                 sanitize) [ $want_sanitize -eq 1 ] && s=$((s + MIN_SANITIZE)) ;;
+                script) [ $want_script -eq 1 ] && s=$((s + MIN_SCRIPT)) ;;
             esac
         fi
         [ "$st" = "$1" ] && seen=1
@@ -238,7 +245,7 @@ collect() {
     } >"$OUT/summary.txt" 2>/dev/null
     tail_into "$OUT/build.log" 400 "$LOGS/build.log"
     tail_into "$OUT/tests.log" 400 "$LOGS/tests_cuda.log" "$LOGS/tests.log" "$LOGS"/tests_*.part
-    tail_into "$OUT/bench.log" 300 "$LOGS/ops.log" "$LOGS/gat.log" "$LOGS/prepare.log" "$LOGS/ddp.log" "$LOGS/cpubench.log" "$LOGS/ncu.log" "$LOGS/sanitize.log"
+    tail_into "$OUT/bench.log" 300 "$LOGS/ops.log" "$LOGS/gat.log" "$LOGS/prepare.log" "$LOGS/ddp.log" "$LOGS/cpubench.log" "$LOGS/ncu.log" "$LOGS/sanitize.log" "$LOGS/script.log"
     tail_into "$OUT/profile.log" 600 "$LOGS/profile.log"
     for f in "$BENCH"/*_"$DEV".md; do
         [ -f "$f" ] && cp "$f" "$OUT/"
@@ -540,6 +547,16 @@ fi
 
 if [ $want_cpubench -eq 1 ]; then
     run_step cpubench "${T_CPUBENCH:-150}" "python3 benchmarks/bench_gat.py --device cpu --conv ${CPU_BENCH_CONV:-gat} --only '${CPU_BENCH_ONLY:-Cora epoch}' --providers pyg,fast,floor --out '$BENCH/cpu' --budget-s \$(( STEP_LIMIT > 80 ? STEP_LIMIT - 40 : STEP_LIMIT / 2 ))"
+fi
+
+if [ $want_script -eq 1 ]; then
+    if [ -z "${SCRIPT:-}" ]; then
+        echo "script: SCRIPT is not set" >&2
+        printf '%-11s %-9s %6s  %s\n' script FAIL 0 'SCRIPT not set' >>"$STATUS"
+        FAILED=1
+    else
+        run_step script "${T_SCRIPT:-120}" "$SCRIPT"
+    fi
 fi
 
 collect
