@@ -32,6 +32,9 @@ Workloads
                The new graph is a fresh tensor (a copy of one of a few
                pre-made graphs, made outside the timed region), so no cache
                can hit.
+  ``infer``    the same model's forward pass in eval mode under
+               ``torch.no_grad()`` on a new graph every call (inference
+               over sampled subgraphs); same providers.
 
 Timing: ``benchmarks/_timing.py`` (CUDA events, median; ``host_ms`` = time
 until the Python call returns, the device synchronised before each call).
@@ -129,7 +132,8 @@ class GAT(torch.nn.Module):
         return self.conv2(x, edge_index)
 
 
-def step_workload(N, E, dev, args, providers):
+def step_workload(N, E, dev, args, providers, train=True):
+    """The ``step`` rows, or with ``train=False`` the ``infer`` rows."""
     from torch_geometric import EdgeIndex
     from torch_geometric.nn import GATConv
 
@@ -157,7 +161,8 @@ def step_workload(N, E, dev, args, providers):
     ref = GAT(GATConv).to(dev)
     rows = []
     for prov in providers:
-        rec = {'workload': 'step', 'nodes': N, 'edges': E, 'input': prov}
+        rec = {'workload': 'step' if train else 'infer', 'nodes': N,
+               'edges': E, 'input': prov}
         if prov == 'pyg':
             model = ref
         elif prov == 'floor':  # attention layers replaced by their Linear
@@ -167,12 +172,16 @@ def step_workload(N, E, dev, args, providers):
             model = GAT(FastGATConv if prov.startswith('fast') else
                         GATConv).to(dev)
             model.load_state_dict(ref.state_dict())
+        model.train(train)
         opt = torch.optim.Adam(model.parameters(), lr=0.005)
         if prov == 'pyg_compile':
             torch._dynamo.reset()
             model = torch.compile(model)
 
         def step():
+            if not train:
+                with torch.no_grad():
+                    return model(x, cur['ei'])
             opt.zero_grad(set_to_none=True)
             loss = F.cross_entropy(model(x, cur['ei']), y)
             loss.backward()
@@ -234,7 +243,7 @@ def main(argv=None):
                     help='nodes:edges of the fresh-graph step '
                          '(default 60k:600k; --quick 3k:30k)')
     ap.add_argument('--providers', default='fast,fast_sorted,floor,pyg,pyg_compile')
-    ap.add_argument('--skip', default='', help='prepare,step')
+    ap.add_argument('--skip', default='', help='prepare,step,infer')
     ap.add_argument('--out', default='bench_out')
     add_timing_args(ap)
     args = ap.parse_args(argv)
@@ -260,6 +269,10 @@ def main(argv=None):
     if 'step' not in skip and not budget.spent():
         rows += step_workload(*step_size, dev, args,
                               [p for p in args.providers.split(',') if p])
+    if 'infer' not in skip and not budget.spent():
+        rows += step_workload(*step_size, dev, args,
+                              [p for p in args.providers.split(',') if p],
+                              train=False)
     paths = write_outputs(Path(args.out), f'prepare_{dev.type}', meta, rows,
                           markdown(meta, rows))
     print('wrote', ', '.join(paths.values()))
