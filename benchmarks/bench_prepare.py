@@ -260,21 +260,25 @@ def main(argv=None):
     print('\n'.join(env_lines(meta)), flush=True)
     rows = []
     skip = set(args.skip.split(','))
+    providers = [p for p in args.providers.split(',') if p]
+
+    def flush():  # after every workload: a run cut short keeps its rows
+        return write_outputs(Path(args.out), f'prepare_{dev.type}', meta,
+                             rows, markdown(meta, rows))
+
     if 'prepare' not in skip:
         for N, E in sizes:
             if budget.spent():
                 break
             rows += prepare_workload(N, E, dev, args)
+            flush()
             free_memory(dev)
-    if 'step' not in skip and not budget.spent():
-        rows += step_workload(*step_size, dev, args,
-                              [p for p in args.providers.split(',') if p])
-    if 'infer' not in skip and not budget.spent():
-        rows += step_workload(*step_size, dev, args,
-                              [p for p in args.providers.split(',') if p],
-                              train=False)
-    paths = write_outputs(Path(args.out), f'prepare_{dev.type}', meta, rows,
-                          markdown(meta, rows))
+    for name, train in (('step', True), ('infer', False)):
+        if name not in skip and not budget.spent():
+            rows += step_workload(*step_size, dev, args, providers,
+                                  train=train)
+            flush()
+    paths = flush()
     print('wrote', ', '.join(paths.values()))
     return rows
 

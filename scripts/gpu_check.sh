@@ -476,7 +476,7 @@ fi
 
 if [ $want_prepare -eq 1 ]; then
     # PREPARE_ENV: an env assignment for a second run (outputs in bench_out/ab)
-    prep="python3 benchmarks/bench_prepare.py --device $DEV --sizes 1M:20M $quick ${PREPARE_ARGS:-}"
+    prep="python3 benchmarks/bench_prepare.py --device $DEV --sizes 1M:20M --budget-s \$(( STEP_LIMIT > 60 ? STEP_LIMIT - 30 : STEP_LIMIT / 2 )) $quick ${PREPARE_ARGS:-}"
     run_step prepare "${T_PREPARE:-120}" "rc=0
 $prep --out '$BENCH' || rc=1
 ${PREPARE_ENV:+echo '== again with $PREPARE_ENV'; (export $PREPARE_ENV; $prep --out '$BENCH/ab') || rc=1}
