@@ -261,6 +261,7 @@ def main(argv=None):
     rows = []
     skip = set(args.skip.split(','))
     providers = [p for p in args.providers.split(',') if p]
+    paths = None
 
     def flush():  # after every workload: a run cut short keeps its rows
         return write_outputs(Path(args.out), f'prepare_{dev.type}', meta,
@@ -271,14 +272,15 @@ def main(argv=None):
             if budget.spent():
                 break
             rows += prepare_workload(N, E, dev, args)
-            flush()
+            paths = flush()
             free_memory(dev)
     for name, train in (('step', True), ('infer', False)):
         if name not in skip and not budget.spent():
             rows += step_workload(*step_size, dev, args, providers,
                                   train=train)
-            flush()
-    paths = flush()
+            paths = flush()
+    if paths is None:  # nothing ran
+        paths = flush()
     print('wrote', ', '.join(paths.values()))
     return rows
 
