@@ -473,6 +473,19 @@ def test_prepared_graph_max_lengths(device, idx, kind):
     assert graph.max_lengths == exact
 
 
+def _hint_layer_case(device, conv):
+    """(N, edge_index, x, layer class) of the length-hint layer tests: 50
+    nodes, 300 random edges, 6 features."""
+    from pyg_fastattn import FastGATConv, FastGATv2Conv, FastTransformerConv
+    torch.manual_seed(0)
+    N = 50
+    ei = torch.randint(N, (2, 300), device=device)
+    x = torch.randn(N, 6, device=device)
+    cls = {'gat': FastGATConv, 'gatv2': FastGATv2Conv,
+           'transformer': FastTransformerConv}[conv]
+    return N, ei, x, cls
+
+
 @pytest.mark.parametrize('device', DEVICES)
 @pytest.mark.parametrize('hint', ['on', 'off'])
 @pytest.mark.parametrize('conv', ['gat', 'gatv2', 'transformer'])
@@ -483,16 +496,10 @@ def test_length_hint_queued_with_the_transpose(monkeypatch, device, hint,
     once it has landed every call reads the exact lengths. Nothing is
     queued on the CPU or with PYG_FASTATTN_LENGTH_HINT=0, and the layers'
     results do not depend on it."""
-    from pyg_fastattn import FastGATConv, FastGATv2Conv, FastTransformerConv
     from pyg_fastattn import prepare
     if hint == 'off':
         monkeypatch.setenv('PYG_FASTATTN_LENGTH_HINT', '0')
-    torch.manual_seed(0)
-    N = 50
-    ei = torch.randint(N, (2, 300), device=device)
-    x = torch.randn(N, 6, device=device)
-    cls = {'gat': FastGATConv, 'gatv2': FastGATv2Conv,
-           'transformer': FastTransformerConv}[conv]
+    N, ei, x, cls = _hint_layer_case(device, conv)
     layers = [cls(6, 4, heads=2).to(device) for _ in range(2)]
     loops = conv != 'transformer'
     graph = prepare(ei, num_nodes=N, add_self_loops=loops, transpose=False)
@@ -520,6 +527,41 @@ def test_length_hint_queued_with_the_transpose(monkeypatch, device, hint,
     for layer, out in zip(layers, outs):
         torch.testing.assert_close(layer(x, other).detach(), out, rtol=0,
                                    atol=0)
+
+
+@pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('conv', ['gat', 'gatv2', 'transformer'])
+def test_no_grad_forward_builds_no_transpose(device, conv):
+    """A forward under torch.no_grad() leaves a graph's transpose unbuilt
+    (only backward passes walk it) and gives the same output as with
+    autograd on, which then builds it. On CUDA the length hint is reduced
+    over the rows alone until the transpose exists, then over both."""
+    from pyg_fastattn import prepare
+    N, ei, x, cls = _hint_layer_case(device, conv)
+    layer = cls(6, 4, heads=2).to(device).eval()
+    loops = conv != 'transformer'
+    graph = prepare(ei, num_nodes=N, add_self_loops=loops, transpose=False)
+    with torch.no_grad():
+        out = layer(x, graph)
+    assert graph._csc is None
+    if device == 'cuda':
+        torch.cuda.synchronize()
+        rows = _lengths(graph.rowptr, graph.rowptr)[0]
+        assert graph.max_lengths == (rows, -1)
+    out2 = layer(x, graph)
+    assert graph._csc is not None
+    torch.testing.assert_close(out2.detach(), out, rtol=0, atol=0)
+    out2.sum().backward()  # walks the transpose built by the second call
+    assert all(p.grad is not None for p in layer.parameters()
+               if p.requires_grad)
+    if device == 'cuda':
+        torch.cuda.synchronize()
+        assert graph.max_lengths == _lengths(graph.rowptr, graph.csc.colptr)
+    # the same output from a fresh edge_index under no_grad (the layer's
+    # own preparation and cache)
+    with torch.no_grad():
+        out3 = layer(x, ei.clone())
+    torch.testing.assert_close(out3, out, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize('device', DEVICES)

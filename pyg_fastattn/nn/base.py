@@ -195,7 +195,8 @@ class FusedAttentionConv(MessagePassing):
                 f'{type(score).__name__} score')
         return ops.attention(graph.rowptr, graph.col, values, score.a_src,
                              score.a_dst, score.a_edge, mask,
-                             score.negative_slope, csc=graph.csc)
+                             score.negative_slope,
+                             csc=graph.transpose_if_needed())
 
     def score_at(self, graph: PreparedGraph, score) -> Tensor:
         """Pre-softmax scores [K, H] of the graph's edges in CSR order."""

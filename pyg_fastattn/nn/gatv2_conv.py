@@ -158,7 +158,8 @@ class FastGATv2Conv(FusedAttentionConv, GATv2Conv):
         ``gatv2_attention`` (``values`` is ``score.x_l``)."""
         return ops.gatv2_attention(
             graph.rowptr, graph.col, score.x_l, score.x_r, self.att,
-            score.edge_term, mask, self.negative_slope, csc=graph.csc,
+            score.edge_term, mask, self.negative_slope,
+            csc=graph.transpose_if_needed(),
             validate=False, bias=bias, max_lengths=graph.max_lengths)
 
     def score_at(self, graph: PreparedGraph, score) -> Tensor:

@@ -130,37 +130,38 @@ class PreparedGraph:
     add_self_loops: bool
     layout: str = 'edge_index'
     index_dtype: torch.dtype = torch.int64
-    # None (not queued), (pinned host copy, event) or (rows, cols)
+    # None (not queued), (pinned host copy, event, with columns) or (rows,
+    # cols), cols -1 when the reduction ran before the transpose existed
     _lengths: Any = None
     _num_kept: Optional[int] = None
 
     @property
     def max_lengths(self) -> Tuple[int, int]:
-        """(longest CSR row, longest CSC column), or (-1, -1) while unknown:
-        a hint for the CUDA kernels, which then skip their long-row split
+        """(longest CSR row, longest CSC column), each -1 while unknown: a
+        hint for the CUDA kernels, which then skip their long-row split
         launches on graphs without long rows (host time). No host sync: the
         reduction and a copy to pinned memory are queued when the transpose
-        is built (or on the first access, if that comes first); accesses
+        is built (or on the first access, if that comes first: then for the
+        rows alone, and again for both once the transpose exists); accesses
         read it once the copy has landed. (-1, -1) on the CPU and with
         ``PYG_FASTATTN_LENGTH_HINT=0``; under ``torch.compile`` or CUDA-graph
         capture nothing is queued or read (a graph resolved before keeps its
         numbers)."""
         st = self._lengths
         if isinstance(st, tuple) and isinstance(st[0], int):
+            if st[1] < 0 and self._csc is not None and self._may_queue():
+                self._queue_lengths()  # now with the transpose's columns
             return st
         if not self._may_queue():
             return (-1, -1)
         if st is None:
-            if self._csc is None:
-                self.csc  # noqa: B018 (building it queues the reduction)
-            else:
-                self._queue_lengths()
+            self._queue_lengths()
             return (-1, -1)
-        host, event = st
+        host, event, with_cols = st
         if not event.query():
             return (-1, -1)
         rows, cols = host.tolist()
-        self._lengths = (rows, cols)
+        self._lengths = (rows, cols if with_cols else -1)
         return self._lengths
 
     def _may_queue(self) -> bool:
@@ -169,9 +170,12 @@ class PreparedGraph:
                 and os.environ.get('PYG_FASTATTN_LENGTH_HINT') != '0')
 
     def _queue_lengths(self) -> None:
-        """Queue the reduction behind :attr:`max_lengths`: once, with the
-        transpose built and :meth:`_may_queue` true (the callers check)."""
-        dev, colptr = self.rowptr.device, self._csc.colptr
+        """Queue the reduction behind :attr:`max_lengths` (:meth:`_may_queue`
+        true: the callers check); without the transpose, of the rows alone
+        (its column count is then dropped)."""
+        with_cols = self._csc is not None
+        dev = self.rowptr.device
+        colptr = self._csc.colptr if with_cols else self.rowptr
         if _ext.native_available(dev):  # one launch and a copy
             host = torch.ops.pyg_fastattn.graph_lengths(self.rowptr, colptr)
         else:
@@ -179,7 +183,25 @@ class PreparedGraph:
                              p.new_zeros(()) for p in (self.rowptr, colptr)])
             host = torch.full((2, ), -1, dtype=d.dtype, pin_memory=True)
             host.copy_(d, non_blocking=True)
-        self._lengths = (host, torch.cuda.current_stream(dev).record_event())
+        self._lengths = (host, torch.cuda.current_stream(dev).record_event(),
+                         with_cols)
+
+    def _cols_queued(self) -> bool:
+        """Whether the reduction of the transpose's columns is queued or
+        done."""
+        st = self._lengths
+        if st is None:
+            return False
+        return st[1] >= 0 if isinstance(st[0], int) else st[2]
+
+    def transpose_if_needed(self) -> Optional[CSC]:
+        """The transpose for a fused op: :attr:`csc` (built now if missing)
+        when autograd records (a backward may walk it), else the one already
+        built or None: a forward under ``torch.no_grad()`` never builds
+        it."""
+        if torch.is_grad_enabled():
+            return self.csc
+        return self._csc
 
     @property
     def fill_index(self) -> Optional[Tensor]:
@@ -209,7 +231,7 @@ class PreparedGraph:
         # in memory that later replays (CUDA graphs) overwrite.
         if not _is_compiling():
             self._csc = csc
-            if self._lengths is None and self._may_queue():
+            if not self._cols_queued() and self._may_queue():
                 self._queue_lengths()  # lands before the layers ask
         return csc
 

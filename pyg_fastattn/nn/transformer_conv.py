@@ -224,10 +224,12 @@ class FastTransformerConv(FusedAttentionConv, TransformerConv):
         query, values, edge_term, mask = [
             t if t is None or t.dtype == dt else t.to(dt)
             for t in (score.query, values, score.edge_term, mask)]
+        csc = graph.transpose_if_needed()
         out, _ = _lib.op('transformer_attention')(
             graph.rowptr, graph.col, query, score.key, values, edge_term,
-            mask, score.scale, *tuple(graph.csc)[:3], *graph.max_lengths,
-            score.grads_in_place)
+            mask, score.scale,
+            *(tuple(csc)[:3] if csc is not None else (None, ) * 3),
+            *graph.max_lengths, score.grads_in_place)
         if score.value_edge is not None:  # in value_j + edge_attr's dtype
             msg_dt = torch.promote_types(values.dtype, score.value_edge.dtype)
             out = out + self._value_edge_sum(graph, query, score,
