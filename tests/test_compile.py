@@ -488,6 +488,43 @@ def test_inductor_training_matches_eager(backend, device, prepared):
 
 
 @pytest.mark.parametrize('device', DEVICES)
+@pytest.mark.parametrize('prepared', [False, True])
+def test_compiled_no_grad_forward_matches_eager(device, prepared):
+    """Compiled inference (``torch.no_grad()``, where no transpose is built)
+    equals eager, before and after a compiled training call on the same
+    graph, for each drop-in."""
+    g = torch.Generator().manual_seed(5)
+    N = 60
+    x = torch.randn(N, 12, generator=g).to(device)
+    ei = torch.randint(0, N, (2, 400), generator=g).to(device)
+    for conv in (FastGATConv, FastGATv2Conv, FastTransformerConv):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        layer = conv(12, 8, heads=4).to(device).eval()
+        graph = prepare(ei, num_nodes=N, transpose=False,
+                        add_self_loops=conv is not FastTransformerConv) \
+            if prepared else ei
+        with torch.no_grad():
+            ref = layer(x, graph)
+        layer(x, graph).square().sum().backward()
+        ref_grads = [p.grad for p in layer.parameters()]
+        layer.zero_grad(set_to_none=True)
+        compiled = torch.compile(layer, fullgraph=True)
+        with torch.no_grad():
+            outs = [compiled(x, graph)]
+        train = compiled(x, graph)  # grad mode on: a second graph
+        train.square().sum().backward()
+        with torch.no_grad():
+            outs.append(compiled(x, graph))
+        for out in outs + [train.detach()]:
+            tol = 1e-5 * max(ref.abs().max().item(), 1.0)
+            assert (out - ref).abs().max().item() <= tol, conv.__name__
+        tol = 1e-4 * max(b.abs().max().item() for b in ref_grads)
+        for (name, p), b in zip(layer.named_parameters(), ref_grads):
+            assert (p.grad - b).abs().max().item() <= tol, (conv, name)
+
+
+@pytest.mark.parametrize('device', DEVICES)
 def test_compiled_layers_on_changing_graphs(device):
     """A compiled model fed a graph of another size every step (as
     NeighborLoader gives): each layer's outputs and gradients equal eager's,
