@@ -313,6 +313,26 @@ def test_gat_attention_float32_x_frozen_weight(backend, device, dtype):
 
 
 @pytest.mark.parametrize('device', DEVICES)
+def test_gat_attention_without_autograd_builds_no_transpose(
+        backend, device, monkeypatch):
+    """ops.gat_attention with csc=None under torch.no_grad() builds no
+    transpose (only its backward reads one) and gives the output it gives
+    with the transpose built."""
+    from pyg_fastattn.ops import gat as gat_mod
+    t = _inputs(device, torch.int64, grad=False)
+    rowptr, col, v = t['rowptr'], t['col'], t['v']
+    att = [torch.randn(1, t['H'], t['C'], device=device) for _ in range(2)]
+    ref = ops.gat_attention(rowptr, col, None, v, att[0], None, att[1])
+
+    def no_transpose(*args, **kwargs):
+        raise AssertionError('transpose built without autograd')
+    monkeypatch.setattr(gat_mod, 'maybe_csc', no_transpose)
+    with torch.no_grad():
+        out = ops.gat_attention(rowptr, col, None, v, att[0], None, att[1])
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize('device', DEVICES)
 def test_gat_attention_h_changed_in_place(backend, device):
     """The op's h output (kept for its backward out of autograd's version
     check, and freed between the backward's parts) changed in place before

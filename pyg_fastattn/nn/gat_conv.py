@@ -6,7 +6,6 @@ from torch import Tensor
 from torch_geometric.nn.conv import GATConv
 
 from .. import ops
-from ..ops.csr import empty_csc
 from .base import AdditiveScore, FusedAttentionConv, plain_linear
 from .graph import PreparedGraph
 
@@ -173,14 +172,12 @@ class FastGATConv(FusedAttentionConv, GATConv):
         a_edge = self.per_edge_cast(a_edge, dt, x_src.device)
         mask = self.per_edge_cast(mask, dt, x_src.device)
         shared = x_dst is x_src
-        csc = graph.transpose_if_needed()
         # out + bias is the same [N, H * C] sum when nothing comes between
         fuse = (fuse_bias and bias is not None
                 and (autocast or bias.dtype == dt)
                 and (self.concat or H == 1))
         return ops.gat_attention(
-            graph.rowptr, graph.col,
-            csc if csc is not None else empty_csc(graph.rowptr),
+            graph.rowptr, graph.col, graph.transpose_if_needed(),
             None if lin_x is not None else x_src, att_src,
             None if shared else x_dst, att_dst, a_edge, mask,
             self.negative_slope, dst_is_src=shared,

@@ -7,7 +7,7 @@ from torch import Tensor
 from ..reference import rows_of
 from ._checks import check_csr, check_tensor, index_pair
 
-__all__ = ['CSC', 'csr_to_csc', 'empty_csc', 'rows_of']
+__all__ = ['CSC', 'csr_to_csc', 'rows_of']
 
 
 class CSC(NamedTuple):
@@ -22,14 +22,6 @@ class CSC(NamedTuple):
     row: Tensor
     perm: Tensor
     inv: Tensor
-
-
-def empty_csc(rowptr: Tensor) -> CSC:
-    """Empty stand-ins for a transpose that nothing reads: the argument of
-    an op whose forward runs without autograd (only backward passes walk
-    the transpose)."""
-    e = rowptr.new_empty((0, ))
-    return CSC(e, e, e, e)
 
 
 def csr_to_csc(rowptr: Tensor, col: Tensor, num_cols: int,

@@ -3,6 +3,7 @@
 CUDA) or :func:`pyg_fastattn.reference.gat_attention`."""
 from typing import Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from ..reference import _opmath
@@ -124,7 +125,8 @@ def gat_attention(rowptr: Tensor, col: Tensor, csc: Optional[CSC],
 
     Args:
         rowptr, col: the CSR graph (rows = destinations), ``csc`` its
-            transpose (built when None).
+            transpose (built when None and autograd records; only the
+            backward reads it).
         h_src: [Ns, H, C], the values; or None with ``x`` [Ns, F] and
             ``weight`` [H * C, F]: then ``h_src = x @ weight.t()`` inside the
             op (needs ``dst_is_src``).
@@ -146,7 +148,10 @@ def gat_attention(rowptr: Tensor, col: Tensor, csc: Optional[CSC],
         raise ValueError('gat_attention: `weight` computes h_src from `x` '
                          'and needs dst_is_src=True')
     src = x if weight is not None else h_src
-    csc = maybe_csc(csc, rowptr, col, src.size(0))
+    if csc is None and not torch.is_grad_enabled():  # no backward to read it
+        csc = (rowptr.new_empty((0, )), ) * 4
+    else:
+        csc = maybe_csc(csc, rowptr, col, src.size(0))
     return _lib.op('gat_attention')(
         rowptr, col, *csc, x, weight, h_src, att_src, h_dst, att_dst, a_edge,
         mask, bias, float(negative_slope), bool(dst_is_src),
